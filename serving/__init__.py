@@ -1,0 +1,1 @@
+"""The LLM server: the three managers, the HTTP app, topologies and the CLI."""
