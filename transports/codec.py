@@ -1,0 +1,142 @@
+"""msgspec msgpack codec: one tagged union per channel, arrays out of band.
+
+A message is encoded into a list of frames: frame 0 is the msgpack header;
+every numpy array in the message travels as a frame of its own (no copy into
+the header), referenced from the header by an extension object. The decoder
+is built once per channel for its union type and rebuilds arrays as read-only
+views of the received frames.
+
+No pickle: anything msgspec cannot encode is refused at the sender.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import numpy as np
+
+__all__ = ["CodecError", "Decoder", "Encoder", "check_wire_type"]
+
+T = TypeVar("T")
+
+_ARRAY_EXT = 1
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(tuple[int, str, tuple[int, ...]])
+
+
+class CodecError(Exception):
+    """A frame that cannot become a message of the channel's type.
+
+    ``kind`` is one of ``malformed`` (not msgpack), ``truncated``, ``invalid``
+    (well-formed but not a member of the union: unknown tag, wrong field type)
+    and ``buffer`` (an out-of-band frame is missing or does not fit).
+    """
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind} frame: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class Encoder:
+    """Encodes any msgspec-encodable message into frames. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+
+    def encode(self, msg: Any) -> list[Any]:
+        self._buffers = buffers = []
+        try:
+            header = self._encoder.encode(msg)
+        finally:
+            self._buffers = []
+        return [header, *buffers]
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            array = np.ascontiguousarray(obj)
+            self._buffers.append(array)
+            meta = (len(self._buffers) - 1, array.dtype.str, array.shape)
+            return msgspec.msgpack.Ext(_ARRAY_EXT, _meta_encoder.encode(meta))
+        raise TypeError(f"cannot encode {type(obj).__qualname__} (no pickle on the wire)")
+
+
+class Decoder(Generic[T]):
+    """Decodes frames into messages of one type (usually a tagged union)."""
+
+    def __init__(self, type_: type[T]) -> None:
+        check_wire_type(type_)
+        self.type = type_
+        self._frames: Sequence[Any] = ()
+        self._decoder = msgspec.msgpack.Decoder(
+            type_, ext_hook=self._ext_hook, dec_hook=_dec_hook
+        )
+
+    def decode(self, frames: Sequence[Any]) -> T:
+        """Decode ``frames`` (bytes, memoryviews or zmq frames); raise CodecError."""
+        if not frames:
+            raise CodecError("truncated", "no frames")
+        self._frames = frames
+        try:
+            return self._decoder.decode(_as_buffer(frames[0]))
+        except msgspec.ValidationError as exc:
+            raise CodecError("invalid", str(exc)) from None
+        except msgspec.DecodeError as exc:
+            kind = "truncated" if "truncated" in str(exc) else "malformed"
+            raise CodecError(kind, str(exc)) from None
+        except _BufferError as exc:
+            raise CodecError("buffer", str(exc)) from None
+        except Exception as exc:  # e.g. invalid UTF-8 in a string: never crash a receiver
+            raise CodecError("malformed", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self._frames = ()
+
+    def decode_raw(self, raw: msgspec.Raw, frames: Sequence[Any]) -> T:
+        """Decode a ``msgspec.Raw`` taken from an envelope received in ``frames``."""
+        return self.decode([raw, *frames[1:]])
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code != _ARRAY_EXT:
+            raise _BufferError(f"unknown extension type {code}")
+        try:
+            index, dtype, shape = _meta_decoder.decode(data)
+            buffer = _as_buffer(self._frames[index + 1])
+            return np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
+        except (IndexError, ValueError, TypeError, msgspec.DecodeError) as exc:
+            raise _BufferError(f"out-of-band array: {exc}") from None
+
+
+class _BufferError(Exception):
+    pass
+
+
+def _dec_hook(type_: type, obj: Any) -> Any:
+    if type_ is np.ndarray and isinstance(obj, np.ndarray):
+        return obj
+    raise TypeError(f"expected {type_.__qualname__}, got {type(obj).__qualname__}")
+
+
+def _as_buffer(frame: Any) -> Any:
+    # zmq.Frame exposes its bytes without a copy through .buffer
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def check_wire_type(type_: Any) -> None:
+    """Refuse a channel type that msgspec would decode ambiguously or slowly.
+
+    Every struct of a union must be tagged, and all must agree on
+    ``array_like`` (msgspec cannot mix the two in one union).
+    """
+    members = typing.get_args(type_) if typing.get_origin(type_) is typing.Union else (type_,)
+    structs = [m for m in members if isinstance(m, type) and issubclass(m, msgspec.Struct)]
+    if len(structs) > 1:
+        untagged = [s.__qualname__ for s in structs if s.__struct_config__.tag is None]
+        if untagged:
+            raise TypeError(f"union members must be tagged structs: {untagged}")
+        shapes = {s.__struct_config__.array_like for s in structs}
+        if len(shapes) > 1:
+            raise TypeError("union members must all be array_like (or all not)")

@@ -1,0 +1,73 @@
+"""The Hub: one per process, it opens channels by address.
+
+``bind`` gives a Receiver, ``connect`` a Sender; the scheme picks the
+transport. The hub owns the transports' resources (the ZeroMQ context, the
+tasks that own sockets) and closes them when its ``async with`` ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from .base import Address, AddressError, Receiver, Sender
+from .codec import Decoder
+from .inproc import InprocTransport
+
+__all__ = ["DEFAULT_CAPACITY", "Hub", "open_hub"]
+
+DEFAULT_CAPACITY = 1024
+
+
+class Hub:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._transports: dict[str, Any] = {"inproc": InprocTransport()}
+
+    def _transport(self, address: Address) -> Any:
+        transport = self._transports.get(address.scheme)
+        if transport is None:
+            transport = self._transports[address.scheme] = self._open_transport(address.scheme)
+        return transport
+
+    def _open_transport(self, scheme: str) -> Any:
+        try:
+            from .zmq import ZmqTransport
+        except ImportError as exc:  # pragma: no cover - the seam for ipc/tcp
+            raise AddressError(f"no transport for {scheme}://: {exc}") from exc
+        return ZmqTransport(self._nursery, scheme)
+
+    async def bind(self, address: str | Address, type_: Any, *,
+                   capacity: int = DEFAULT_CAPACITY, senders: int | None = None) -> Receiver:
+        """Bind a receiver for messages of ``type_`` (or a ready Decoder)."""
+        address = address if isinstance(address, Address) else Address.parse(address)
+        decoder = type_ if isinstance(type_, Decoder) else Decoder(type_)
+        return await self._transport(address).bind(
+            address, decoder, capacity=capacity, senders=senders
+        )
+
+    async def connect(self, address: str | Address, *,
+                      capacity: int = DEFAULT_CAPACITY) -> Sender:
+        address = address if isinstance(address, Address) else Address.parse(address)
+        return await self._transport(address).connect(address, capacity=capacity)
+
+    async def aclose(self) -> None:
+        for transport in self._transports.values():
+            close = getattr(transport, "aclose", None)
+            if close is not None:
+                await close()
+
+
+@asynccontextmanager
+async def open_hub() -> AsyncIterator[Hub]:
+    async with trio.open_nursery() as nursery:
+        hub = Hub(nursery)
+        try:
+            yield hub
+        finally:
+            with trio.CancelScope(shield=True):
+                await hub.aclose()
+            nursery.cancel_scope.cancel()
