@@ -1,0 +1,107 @@
+"""Attention over the paged KV cache: the torch path and its plan.
+
+The runner lays a step out as [decode tokens..., prefill chunks...] and
+builds one `AttentionPlan` per step, shared by every layer. Decode rows
+attend through the page table (a triton kernel on CUDA, `paged_decode_attention`
+otherwise); each prefill chunk attends to its cached prefix plus itself.
+These torch functions are also the references the triton kernels are
+tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flattened step
+    end: int
+    context_slots: torch.Tensor | None  # [cached + new] cache rows; None when nothing is cached
+    mask: torch.Tensor | None  # [1, 1, new, cached + new] bool, with context_slots
+
+
+@dataclass
+class AttentionPlan:
+    slots: torch.Tensor  # [T] cache row of each new token
+    num_decode: int  # rows [0, num_decode) are single decode tokens
+    page_table: torch.Tensor  # [num_decode, max_pages] int32 (padded with 0)
+    context_lens: torch.Tensor  # [num_decode] int32, tokens to attend to incl. the new one
+    page_size: int
+    decode_gather: tuple[torch.Tensor, torch.Tensor] | None  # torch path: rows + mask
+    prefills: list[PrefillChunk]
+    use_triton: bool
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k, v, slots) -> None:
+    """Write new K/V rows [T, kv_heads, head_dim] of one layer into cache rows `slots`."""
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def decode_gather_plan(page_table, context_lens, page_size: int):
+    """Cache rows [B, L] each decode row reads, and the [B, 1, 1, L] validity mask."""
+    longest = int(context_lens.max())
+    positions = torch.arange(longest, device=page_table.device)
+    pages = page_table.long().gather(1, (positions // page_size).expand(len(page_table), -1))
+    rows = pages * page_size + positions % page_size
+    valid = positions[None, :] < context_lens[:, None]
+    return rows.masked_fill(~valid, 0), valid[:, None, None, :]
+
+
+def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size, scale):
+    """Reference: q [B, heads, d] against each row's pages -> [B, heads, d]."""
+    rows, valid = decode_gather_plan(page_table, context_lens, page_size)
+    return gathered_decode_attention(q, k_cache, v_cache, rows, valid, scale)
+
+
+def gathered_decode_attention(q, k_cache, v_cache, rows, valid, scale):
+    keys = k_cache[rows].transpose(1, 2)  # [B, kv_heads, L, d]
+    values = v_cache[rows].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=valid, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale):
+    """One chunk: q/k/v [n, heads, d] of its new tokens -> [n, heads, d]."""
+    if chunk.context_slots is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )
+    else:
+        keys = k_cache[chunk.context_slots].transpose(0, 1)[None]
+        values = v_cache[chunk.context_slots].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, attn_mask=chunk.mask, scale=scale,
+            enable_gqa=True,
+        )
+    return out[0].transpose(0, 1)
+
+
+def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
+    """Store this layer's new K/V, then attend every row; q/k/v are [T, heads, d]."""
+    if plan.use_triton:
+        from . import triton_attention
+
+        triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
+    else:
+        store_kv(k_cache, v_cache, k, v, plan.slots)
+    out = torch.empty_like(q)
+    n = plan.num_decode
+    if n:
+        if plan.use_triton:
+            out[:n] = triton_attention.paged_decode_attention(
+                q[:n], k_cache, v_cache, plan.page_table, plan.context_lens, plan.page_size, scale
+            )
+        else:
+            out[:n] = gathered_decode_attention(q[:n], k_cache, v_cache, *plan.decode_gather, scale)
+    for chunk in plan.prefills:
+        part = slice(chunk.start, chunk.end)
+        out[part] = prefill_attention(q[part], k[part], v[part], k_cache, v_cache, chunk, scale)
+    return out

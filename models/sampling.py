@@ -1,0 +1,151 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Resumable by construction: the randomness of each draw comes only from
+(seed, position of the token being drawn), never from a generator whose
+state advances, so a request restarted from prompt + generated ids draws
+the same tokens as one that never stopped. Unseeded requests get a fresh
+random seed per draw; a caller that wants resumable sampling picks one at
+submit time with `random_seed()` and keeps it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 (or < 0) disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on prompt + output tokens, as transformers/vLLM
+    frequency_penalty: float = 0.0  # on output tokens, per occurrence
+    presence_penalty: float = 0.0  # on output tokens, once
+    seed: int | None = None
+    top_logprobs: int = 0  # how many alternatives to report per token
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError(f"invalid sampling parameters: {self}")
+        if self.repetition_penalty <= 0 or self.top_logprobs < 0:
+            raise ValueError(f"invalid sampling parameters: {self}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def random_seed() -> int:
+    """A seed to fix at submit time so that a resumed request samples the same."""
+    return secrets.randbits(63)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of the draw at `position` (splitmix64 of seed and position)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mult) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]  # of the chosen token under the model's distribution
+    top_logprobs: list[list[tuple[int, float]]]  # per row, its top_logprobs entries
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> Sampled:
+    """Draw one token per row of `logits` [B, vocab] (float32).
+
+    `positions[i]` is the position of the token being drawn (= tokens
+    before it), which with the row's seed fixes its randomness.
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # reported: the model's own distribution
+    if any(p.has_penalties for p in params):
+        logits = _apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    chosen = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        chosen[index] = _draw(logits[index], [params[i] for i in rows], [positions[i] for i in rows])
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+    n_top = max(p.top_logprobs for p in params)
+    top = [[] for _ in params]
+    if n_top:
+        values, ids = logprobs.topk(n_top, dim=-1)
+        for i, p in enumerate(params):
+            top[i] = list(zip(ids[i, : p.top_logprobs].tolist(), values[i, : p.top_logprobs].tolist()))
+    return Sampled(chosen.tolist(), chosen_logprobs.tolist(), top)
+
+
+def _apply_penalties(logits, params, prompt_ids, output_ids):
+    batch, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(batch, vocab, device=device)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    for i, (prompt, output) in enumerate(zip(prompt_ids, output_ids)):
+        if output:
+            out = torch.as_tensor(output, device=device)
+            counts[i].index_add_(0, out, torch.ones(len(out), device=device))
+        if params[i].repetition_penalty != 1.0 and (prompt or output):
+            seen[i, torch.as_tensor([*prompt, *output], device=device)] = True
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    return logits - freq * counts - pres * (counts > 0)
+
+
+def _draw(logits, params, positions) -> torch.Tensor:
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k for p in params]
+    if any(0 < k < logits.shape[-1] for k in top_k):
+        k = torch.tensor([k if 0 < k < logits.shape[-1] else logits.shape[-1] for k in top_k])
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None].to(logits.device))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    if bool((top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        drop_sorted = before >= top_p[:, None]
+        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    if bool((min_p > 0).any()):
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    # exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p (no renormalising)
+    noise = torch.empty_like(probs)
+    for row, (p, position) in enumerate(zip(params, positions)):
+        seed = p.seed if p.seed is not None else random_seed()
+        generator = torch.Generator(device=probs.device).manual_seed(draw_seed(seed, position))
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
