@@ -11,6 +11,7 @@ No pickle: anything msgspec cannot encode is refused at the sender.
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -58,7 +59,9 @@ class Encoder:
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            array = np.ascontiguousarray(obj)
+            if obj.dtype.hasobject:  # its raw buffer would hold object pointers
+                raise TypeError(f"cannot encode a {obj.dtype} array (no pickle on the wire)")
+            array = np.ascontiguousarray(obj).reshape(obj.shape)  # keeps 0-d arrays 0-d
             self._buffers.append(array)
             meta = (len(self._buffers) - 1, array.dtype.str, array.shape)
             return msgspec.msgpack.Ext(_ARRAY_EXT, _meta_encoder.encode(meta))
@@ -104,9 +107,13 @@ class Decoder(Generic[T]):
             raise _BufferError(f"unknown extension type {code}")
         try:
             index, dtype, shape = _meta_decoder.decode(data)
+            if index < 0 or any(n < 0 for n in shape):
+                raise ValueError(f"bad reference {index} {shape}")
             buffer = _as_buffer(self._frames[index + 1])
-            return np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
-        except (IndexError, ValueError, TypeError, msgspec.DecodeError) as exc:
+            array = np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
+            array.flags.writeable = False  # a view of the frame, maybe of the sender's array
+            return array
+        except (IndexError, ValueError, TypeError, OverflowError, msgspec.DecodeError) as exc:
             raise _BufferError(f"out-of-band array: {exc}") from None
 
 
@@ -131,7 +138,8 @@ def check_wire_type(type_: Any) -> None:
     Every struct of a union must be tagged, and all must agree on
     ``array_like`` (msgspec cannot mix the two in one union).
     """
-    members = typing.get_args(type_) if typing.get_origin(type_) is typing.Union else (type_,)
+    is_union = typing.get_origin(type_) in (typing.Union, types.UnionType)  # Union[A, B] or A | B
+    members = typing.get_args(type_) if is_union else (type_,)
     structs = [m for m in members if isinstance(m, type) and issubclass(m, msgspec.Struct)]
     if len(structs) > 1:
         untagged = [s.__qualname__ for s in structs if s.__struct_config__.tag is None]
