@@ -258,13 +258,20 @@ def make_cases(batch: int = 64, new_tokens: int = 4, prompt_len: int = 1000) -> 
 # -- measuring -----------------------------------------------------------------------
 
 
-def best_us(fn: Callable[[], Any], *, repeat: int, min_time: float) -> float:
-    """Best-of-``repeat`` µs per call, each loop running at least ``min_time``."""
-    timer = timeit.Timer(fn)
-    number = 1
-    while timer.timeit(number) < min_time:
-        number *= 4
-    return min(timer.repeat(repeat=repeat, number=number)) / number * 1e6
+def best_us(*fns: Callable[[], Any], repeat: int, min_time: float) -> list[float]:
+    """Best-of-``repeat`` µs per call of each fn, each loop running at least
+    ``min_time``. The fns' loops alternate, so a busy machine slows all alike."""
+    timers, numbers = [timeit.Timer(fn) for fn in fns], []
+    for timer in timers:
+        number = 1
+        while timer.timeit(number) < min_time:
+            number *= 4
+        numbers.append(number)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, (timer, number) in enumerate(zip(timers, numbers, strict=True)):
+            best[i] = min(best[i], timer.timeit(number) / number * 1e6)
+    return best
 
 
 def wire_bytes(frames: list[Any]) -> int:
@@ -301,8 +308,9 @@ def run_case(case: Case, *, repeat: int, min_time: float) -> dict[str, Any]:
     def pickle_round_trip():
         pickle.loads(pickle.dumps(plain, protocol=5))
 
-    msgspec_us = best_us(msgspec_round_trip, repeat=repeat, min_time=min_time)
-    pickle_us = best_us(pickle_round_trip, repeat=repeat, min_time=min_time)
+    msgspec_us, pickle_us = best_us(
+        msgspec_round_trip, pickle_round_trip, repeat=repeat, min_time=min_time
+    )
     return {
         "name": case.name,
         "msgspec_us": round(msgspec_us, 3),
