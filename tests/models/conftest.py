@@ -1,0 +1,68 @@
+"""Session-wide models for the models/ tests.
+
+The real SmolLM2 model is converted from its GGUF file once per machine
+(~40 s, then cached under the user cache dir) and loaded once per session;
+the tiny random models reuse its tokenizer.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from models.loading import load_model, tiny_config, tiny_model, to_transformers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    return to_transformers(smollm2, torch.float32)
+
+
+TINY_CONFIGS = {
+    "llama": {},
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {"head_dim": 16},  # q/k norms
+    "mistral": {"sliding_window": None},
+}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny(request):
+    return tiny_model(tiny_config(request.param, **TINY_CONFIGS[request.param]), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_model(seed=0)
+
+
+def _hf_greedy(hf_model, prompt, max_new_tokens):
+    """transformers' own greedy continuation (stops at eos, like ours should)."""
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def _same_greedy(ours, reference):
+    """Ours (never stopping) agrees with transformers' (which stops at eos)."""
+    return ours[: len(reference)] == reference
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def same_greedy():
+    return _same_greedy

@@ -1,0 +1,117 @@
+"""Greedy output of ModelRunner equals transformers' own generate (fp32)."""
+
+import pytest
+import torch
+
+from models.errors import InvalidBatch
+from models.loading import to_transformers
+from models.runner import ModelRunner, SeqInput, generate
+
+TEXTS = [
+    "What is the capital of France?",
+    "Once upon a time, in a land far away, there lived a dragon who loved",
+    "def fibonacci(n):",
+    "The three primary colours are red, yellow and",
+]
+
+
+def prompts(tokenizer):
+    return [tokenizer(t).input_ids for t in TEXTS]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_batch_of_different_lengths_matches_transformers(tiny, page_size, hf_greedy, same_greedy):
+    runner = ModelRunner(tiny, dtype=torch.float32, page_size=page_size)
+    hf = to_transformers(tiny)
+    batch = prompts(tiny.tokenizer)
+    ours = generate(runner, batch, 10)
+    for prompt, out in zip(batch, ours):
+        assert same_greedy(out, hf_greedy(hf, prompt, 10))
+    assert runner.kv.num_free == runner.kv.num_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_chunked_prefill_matches_unchunked(tiny_llama, page_size):
+    runner = ModelRunner(tiny_llama, dtype=torch.float32, page_size=page_size)
+    batch = prompts(tiny_llama.tokenizer)
+    assert generate(runner, batch, 8, prefill_chunk=5) == generate(runner, batch, 8)
+
+
+def shared_prefix_run(runner, first, second, shared, new_tokens):
+    """`second` starts from the pages `first` filled for its first `shared` tokens."""
+    ps, kv = runner.kv.page_size, runner.kv
+    assert shared % ps == 0, "shared pages hold whole pages"
+    table_a = kv.allocate(kv.pages_for(len(first) + new_tokens))
+    out_a = [runner.step([SeqInput(first, table_a)]).token_ids[0]]
+    own = kv.allocate(kv.pages_for(len(second) + new_tokens) - shared // ps)
+    table_b = table_a[: shared // ps] + own
+    # one mixed step: a's decode token and b's prefill (after the shared prefix)
+    step = runner.step([
+        SeqInput([out_a[-1]], table_a, len(first)),
+        SeqInput(second[shared:], table_b, shared),
+    ])
+    out_a.append(step.token_ids[0])
+    out_b = [step.token_ids[1]]
+    for _ in range(new_tokens - 1):
+        step = runner.step([
+            SeqInput([out_a[-1]], table_a, len(first) + len(out_a) - 1),
+            SeqInput([out_b[-1]], table_b, len(second) + len(out_b) - 1),
+        ])
+        out_a.append(step.token_ids[0])
+        out_b.append(step.token_ids[1])
+    kv.free(table_a)
+    kv.free(own)
+    return out_a[:new_tokens], out_b
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_shared_prefix_matches_transformers(tiny_llama, page_size, hf_greedy, same_greedy):
+    runner = ModelRunner(tiny_llama, dtype=torch.float32, page_size=page_size)
+    hf = to_transformers(tiny_llama)
+    first = list(range(1000, 1040))
+    second = first[:32] + list(range(2000, 2011))
+    out_a, out_b = shared_prefix_run(runner, first, second, 32, 6)
+    assert same_greedy(out_a, hf_greedy(hf, first, 6))
+    assert same_greedy(out_b, hf_greedy(hf, second, 6))
+    assert runner.kv.num_free == runner.kv.num_pages
+
+
+def test_step_aligns_outputs_with_inputs_and_skips_unsampled(tiny_llama):
+    runner = ModelRunner(tiny_llama, dtype=torch.float32)
+    a, b = runner.kv.allocate(8), runner.kv.allocate(8)
+    out = runner.step([SeqInput([5, 6, 7], a, sample=False), SeqInput([9], b)])
+    assert out.token_ids[0] is None and isinstance(out.token_ids[1], int)
+    assert out.logprobs[0] is None and out.logprobs[1] <= 0
+
+
+def test_page_table_too_short_is_refused(tiny_llama):
+    runner = ModelRunner(tiny_llama, dtype=torch.float32, page_size=4)
+    with pytest.raises(InvalidBatch, match="cannot hold 0\\+5 tokens"):
+        runner.step([SeqInput([1, 2, 3, 4, 5], runner.kv.allocate(1))])
+
+
+def test_smollm2_matches_transformers(smollm2, smollm2_hf, hf_greedy, same_greedy):
+    runner = ModelRunner(smollm2, dtype=torch.float32, page_size=16)
+    batch = prompts(smollm2.tokenizer)[:3]
+    ours = generate(runner, batch, 8, prefill_chunk=7)
+    for prompt, out in zip(batch, ours):
+        assert same_greedy(out, hf_greedy(smollm2_hf, prompt, 8))
+
+
+def test_smollm2_shared_prefix_matches_transformers(smollm2, smollm2_hf, hf_greedy, same_greedy):
+    runner = ModelRunner(smollm2, dtype=torch.float32)
+    tok = smollm2.tokenizer
+    first = tok("The quick brown fox jumps over the lazy dog. The dog sleeps.").input_ids
+    second = first[:8] + tok(" Then a cat arrives").input_ids
+    out_a, out_b = shared_prefix_run(runner, first, second, 8, 5)
+    assert same_greedy(out_a, hf_greedy(smollm2_hf, first, 5))
+    assert same_greedy(out_b, hf_greedy(smollm2_hf, second, 5))
+
+
+def test_smollm2_bf16_answers_the_chat_question(smollm2):
+    runner = ModelRunner(smollm2)  # bf16, page_size 1: the scheduler's defaults
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = smollm2.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    out = generate(runner, [prompt], 9)[0]
+    assert smollm2.tokenizer.decode(out, skip_special_tokens=True).startswith("The capital of France is Paris")
