@@ -62,9 +62,9 @@ class Hub:
 
 
 @asynccontextmanager
-async def open_hub() -> AsyncIterator[Hub]:
+async def open_hub(hub_type: type[Hub] = Hub) -> AsyncIterator[Hub]:
     async with trio.open_nursery() as nursery:
-        hub = Hub(nursery)
+        hub = hub_type(nursery)
         try:
             yield hub
         finally:

@@ -1,0 +1,253 @@
+"""Actors: a bounded mailbox, a loop that dispatches by message type, and a context.
+
+An actor subclass names the union of messages it accepts (``inbox``) and
+implements ``handle``, usually one ``match`` over that union::
+
+    class Counter(Actor):
+        inbox = Increment | Get
+
+        async def handle(self, msg):
+            match msg:
+                case Increment(n):
+                    self.total += n
+                case Get():
+                    return self.total  # the reply, when the sender used call()
+
+An exception escaping ``handle`` crashes the actor ("let it crash"); the
+supervisor above it decides what happens next.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import typing
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import msgspec
+import trio
+
+from transports import DEFAULT_CAPACITY, Decoder, Hub, Sender
+
+from ._errors import CallError, CallTimeout, unwrap
+
+__all__ = ["Actor", "ActorChild", "Call", "Caller", "Context", "Reply"]
+
+log = logging.getLogger("actors")
+T = TypeVar("T")
+
+
+class Call(msgspec.Struct, Generic[T], tag="actors.call", array_like=True, gc=False):
+    """Envelope of a request that wants a reply (``Context.call``)."""
+
+    id: int
+    reply_to: str
+    body: T
+
+
+class Reply(msgspec.Struct, tag="actors.reply", array_like=True, gc=False):
+    id: int
+    body: Any = None
+    error: str | None = None
+
+
+@functools.cache
+def mailbox_decoder(inbox: Any) -> Decoder:
+    """The decoder of a mailbox for ``inbox``: its messages, calls of them, replies."""
+    members = typing.get_args(inbox) if typing.get_origin(inbox) in (typing.Union, _UnionType) else (inbox,)
+    return Decoder(typing.Union[(*members, Call[inbox], Reply)])  # type: ignore[misc]
+
+
+_UnionType = type(int | str)
+
+
+class Caller:
+    """Request/reply over one-way channels: correlation ids, deadlines, replies.
+
+    Replies arrive in the mailbox at ``reply_to``; whoever reads that mailbox
+    hands each Reply to ``resolve``.
+    """
+
+    def __init__(self, reply_to: str) -> None:
+        self.reply_to = reply_to
+        self._ids = itertools.count(1)
+        self._pending: dict[int, trio.MemorySendChannel[Reply]] = {}
+
+    async def call(self, sender: Sender, msg: Any, *, reply: Any = Any,
+                   timeout: float = 10.0) -> Any:
+        call_id = next(self._ids)
+        send, receive = trio.open_memory_channel[Reply](1)
+        self._pending[call_id] = send
+        try:
+            with trio.move_on_after(timeout):
+                await sender.send(Call(call_id, self.reply_to, msg))
+                answer = await receive.receive()
+                if answer.error is not None:
+                    raise CallError(f"{sender.address} failed handling {type(msg).__name__}: {answer.error}")
+                return _convert(answer.body, reply)
+            raise CallTimeout(f"no reply from {sender.address} to {type(msg).__name__} within {timeout:g} s")
+        finally:
+            del self._pending[call_id]
+
+    def resolve(self, reply: Reply) -> None:
+        waiter = self._pending.get(reply.id)
+        if waiter is None:
+            log.debug("reply %d came after its caller gave up", reply.id)
+            return
+        waiter.send_nowait(reply)
+
+
+def _convert(body: Any, type_: Any) -> Any:
+    if type_ is Any or (isinstance(type_, type) and isinstance(body, type_)):
+        return body
+    return msgspec.convert(body, type_, dec_hook=lambda t, obj: obj)
+
+
+class Context:
+    """What a running actor knows of the world: its address, senders, tasks."""
+
+    def __init__(self, address: str, hub: Hub, nursery: trio.Nursery,
+                 capacity: int, child: ActorChild) -> None:
+        self.address = address
+        self.hub = hub
+        self.nursery = nursery  # tasks started here crash the actor when they fail
+        self._capacity = capacity
+        self._senders: dict[str, Sender] = {}
+        self._caller = Caller(address)
+        self._child = child
+
+    async def sender(self, address: str) -> Sender:
+        sender = self._senders.get(address)
+        if sender is None:
+            sender = self._senders[address] = await self.hub.connect(address, capacity=self._capacity)
+        return sender
+
+    async def send(self, address: str, msg: Any) -> None:
+        await (await self.sender(address)).send(msg)
+
+    async def call(self, address: str, msg: Any, *, reply: Any = Any, timeout: float = 10.0) -> Any:
+        """Send ``msg`` and wait for the callee's return value (or CallError)."""
+        return await self._caller.call(await self.sender(address), msg, reply=reply, timeout=timeout)
+
+    def stop(self) -> None:
+        """Ask this actor to stop after the message being handled."""
+        self._child.request_stop()
+
+    async def _close_senders(self) -> None:
+        with trio.move_on_after(1.0) as scope:
+            scope.shield = True
+            for sender in self._senders.values():
+                await sender.aclose()
+        self._senders.clear()
+
+
+class Actor:
+    """Base class of actors. Override ``handle``; the hooks are optional."""
+
+    inbox: ClassVar[Any]
+
+    async def on_start(self, ctx: Context) -> None:
+        """Runs after the mailbox is bound and before the actor reports ready."""
+
+    async def handle(self, msg: Any) -> Any:
+        raise NotImplementedError
+
+    async def on_stop(self) -> None:
+        """Runs when the actor is asked to stop (not when it crashes or is killed)."""
+
+
+class FaultHook(Protocol):
+    """Consulted before each dispatch (the test harness injects faults here)."""
+
+    async def before_dispatch(self, msg: Any) -> bool:
+        """Return False to drop the message; may raise or block."""
+
+
+class ActorChild:
+    """Runs one actor as a supervisor child: bind, start, dispatch, stop."""
+
+    def __init__(self, factory: typing.Callable[[], Actor], address: str, hub: Hub, *,
+                 capacity: int = DEFAULT_CAPACITY, faults: FaultHook | None = None) -> None:
+        self.factory = factory
+        self.address = address
+        self.hub = hub
+        self.capacity = capacity
+        self.faults = faults
+        self.actor: Actor | None = None
+        self._stop_requested = trio.Event()
+        self._waiting: trio.CancelScope | None = None
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def stop(self) -> None:
+        self.request_stop()
+        await trio.lowlevel.checkpoint()
+
+    async def run(self, *, task_status: trio.TaskStatus[Context] = trio.TASK_STATUS_IGNORED) -> None:
+        actor = self.actor = self.factory()
+        inbox = await self.hub.bind(self.address, mailbox_decoder(actor.inbox), capacity=self.capacity)
+        ctx: Context | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                ctx = Context(self.address, self.hub, nursery, self.capacity, self)
+                handoff_send, handoff_receive = trio.open_memory_channel[Any](self.capacity)
+                nursery.start_soon(_route_replies, inbox, ctx._caller, handoff_send)
+                await actor.on_start(ctx)
+                task_status.started(ctx)
+                await self._dispatch_until_stopped(actor, ctx, handoff_receive)
+                await actor.on_stop()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # A crash that races a cancellation is still a crash: report it.
+            _, crash = group.split(trio.Cancelled)
+            if crash is None:
+                raise
+            raise unwrap(crash) from None
+        finally:
+            with trio.CancelScope(shield=True):
+                if ctx is not None:
+                    await ctx._close_senders()
+                await inbox.aclose()
+
+    async def _dispatch_until_stopped(self, actor: Actor, ctx: Context,
+                                      messages: trio.MemoryReceiveChannel[Any]) -> None:
+        # A stop interrupts the wait for the next message, never a handler.
+        while not self._stop_requested.is_set():
+            with trio.CancelScope() as self._waiting:
+                msg = await messages.receive()
+            if self._waiting.cancelled_caught:
+                return
+            if self.faults is not None and not await self.faults.before_dispatch(msg):
+                continue
+            await self._dispatch(actor, ctx, msg)
+
+    async def _dispatch(self, actor: Actor, ctx: Context, msg: Any) -> None:
+        if not isinstance(msg, Call):
+            await actor.handle(msg)
+            return
+        try:
+            result = await actor.handle(msg.body)
+        except Exception as exc:
+            with trio.move_on_after(1.0):
+                await ctx.send(msg.reply_to, Reply(msg.id, error=repr(exc)))
+            raise
+        await ctx.send(msg.reply_to, Reply(msg.id, result))
+
+
+async def _route_replies(inbox: Any, caller: Caller, handoff: trio.MemorySendChannel[Any]) -> None:
+    """Read the mailbox; replies go straight to their callers, the rest to ``handle``.
+
+    Separate from the dispatch loop so a handler awaiting ``call`` can still
+    receive its reply.
+    """
+    async with handoff:
+        async for msg in inbox:
+            if isinstance(msg, Reply):
+                caller.resolve(msg)
+            else:
+                await handoff.send(msg)
+

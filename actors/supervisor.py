@@ -1,0 +1,276 @@
+"""Supervision trees with OTP semantics.
+
+A supervisor starts its children in order, waiting for each to report ready,
+and watches them. When one exits, its restart type decides whether it comes
+back (``permanent``: always; ``transient``: only after a crash;
+``temporary``: never) and the strategy decides which siblings go with it
+(``one_for_one``: none; ``one_for_all``: all; ``rest_for_one``: those started
+after it). More than ``max_restarts`` restarts within ``within`` seconds and
+the supervisor stops every child and fails upward with
+RestartIntensityExceeded. Children stop in reverse order: asked first, then
+cancelled when their grace period runs out.
+
+A child is anything with ``async run(*, task_status)`` (report ready with
+``task_status.started()``, return for a normal exit, raise for a crash) and
+``async stop()`` (a polite request). Supervisors are children too, so they
+nest into trees; a child in another OS process has the same shape.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from ._errors import ChildStartError, RestartIntensityExceeded, unwrap
+
+__all__ = [
+    "Backoff",
+    "Child",
+    "ChildSpec",
+    "Restart",
+    "Strategy",
+    "Supervisor",
+    "SupervisorEvent",
+]
+
+log = logging.getLogger("actors.supervisor")
+
+
+class Restart(enum.StrEnum):
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+    TEMPORARY = "temporary"
+
+
+class Strategy(enum.StrEnum):
+    ONE_FOR_ONE = "one_for_one"
+    ONE_FOR_ALL = "one_for_all"
+    REST_FOR_ONE = "rest_for_one"
+
+
+class Child(Protocol):
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str
+    start: Callable[[], Child]  # a fresh Child for every (re)start
+    restart: Restart = Restart.PERMANENT
+    shutdown: float = 5.0  # grace period between asking and cancelling
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before the n-th restart within the intensity window: initial * factor**(n-1)."""
+
+    initial: float = 0.0
+    factor: float = 2.0
+    maximum: float = 5.0
+
+    def delay(self, n: int) -> float:
+        return 0.0 if n <= 0 or self.initial <= 0 else min(self.initial * self.factor ** (n - 1), self.maximum)
+
+
+@dataclass(frozen=True)
+class SupervisorEvent:
+    supervisor: str
+    child: str
+    kind: str  # started | exited | crashed | restarting | stopped | escalated
+    reason: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Running:
+    spec: ChildSpec
+    child: Child
+    value: Any = None  # what the child passed to task_status.started()
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    done: trio.Event = field(default_factory=trio.Event)
+    stopping: bool = False
+
+
+class _Status:
+    def __init__(self, status: Any, running: _Running) -> None:
+        self._status = status
+        self._running = running
+        self.reported = False
+
+    def started(self, value: Any = None) -> None:
+        self.reported = True
+        self._running.value = value
+        self._status.started(value)
+
+
+_STOP = object()
+
+
+class Supervisor:
+    def __init__(self, name: str, children: Sequence[ChildSpec], *,
+                 strategy: Strategy = Strategy.ONE_FOR_ONE, max_restarts: int = 3,
+                 within: float = 5.0, backoff: Backoff = Backoff(),
+                 observer: Callable[[SupervisorEvent], None] | None = None) -> None:
+        names = [spec.name for spec in children]
+        if len(set(names)) != len(names):
+            raise ValueError(f"supervisor {name!r}: child names repeat: {names}")
+        self.name = name
+        self.specs = list(children)
+        self.strategy = Strategy(strategy)
+        self.max_restarts = max_restarts
+        self.within = within
+        self.backoff = backoff
+        self.observer = observer
+        self.restarts: dict[str, int] = {spec.name: 0 for spec in children}
+        self._running: dict[str, _Running] = {}
+        self._restart_times: list[float] = []
+        self._nursery: trio.Nursery | None = None
+        self._events_send, self._events = trio.open_memory_channel[Any](float("inf"))
+
+    # -- public ---------------------------------------------------------------
+
+    def child(self, name: str) -> Any:
+        """What the running child ``name`` reported when it started (or None)."""
+        running = self._running.get(name)
+        return None if running is None else running.value
+
+    def running(self) -> list[str]:
+        return [spec.name for spec in self.specs if spec.name in self._running]
+
+    async def stop(self) -> None:
+        self._events_send.send_nowait(_STOP)
+        await trio.lowlevel.checkpoint()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        failure: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                for spec in self.specs:
+                    await self._start(spec)
+                task_status.started(self)
+                await self._watch()
+            except (RestartIntensityExceeded, ChildStartError) as exc:
+                failure = exc
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stop_children(list(self._running.values()))
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    # -- internals ------------------------------------------------------------
+
+    def _notify(self, child: str, kind: str, reason: BaseException | None = None) -> None:
+        if self.observer is not None:
+            self.observer(SupervisorEvent(self.name, child, kind, reason))
+
+    async def _start(self, spec: ChildSpec) -> None:
+        running = _Running(spec, spec.start())
+        assert self._nursery is not None
+        try:
+            await self._nursery.start(self._run_child, running)
+        except Exception as exc:
+            reason = unwrap(exc)
+            log.error("%s: child %s failed to start: %r", self.name, spec.name, reason)
+            raise ChildStartError(f"{self.name}: child {spec.name!r} failed to start: {reason!r}") from reason
+        self._running[spec.name] = running
+        self._notify(spec.name, "started")
+
+    async def _run_child(self, running: _Running, task_status: Any) -> None:
+        status = _Status(task_status, running)
+        reason: BaseException | None = None
+        try:
+            with running.scope:
+                try:
+                    await running.child.run(task_status=status)
+                except Exception as exc:
+                    if not status.reported:
+                        raise
+                    reason = unwrap(exc)
+        finally:
+            running.done.set()
+        if not status.reported:
+            raise ChildStartError(f"child {running.spec.name!r} returned before reporting ready")
+        if not running.stopping:
+            self._events_send.send_nowait((running, reason))
+
+    async def _watch(self) -> None:
+        async for event in self._events:
+            if event is _STOP:
+                return
+            running, reason = event
+            if self._running.get(running.spec.name) is not running:
+                continue  # a stale exit of a child already replaced or stopped
+            await self._child_exited(running, reason)
+
+    async def _child_exited(self, running: _Running, reason: BaseException | None) -> None:
+        spec = running.spec
+        del self._running[spec.name]
+        if reason is None:
+            log.info("%s: child %s exited", self.name, spec.name)
+            self._notify(spec.name, "exited")
+        else:
+            log.error("%s: child %s crashed: %r", self.name, spec.name, reason)
+            self._notify(spec.name, "crashed", reason)
+        if spec.restart == Restart.TEMPORARY or (spec.restart == Restart.TRANSIENT and reason is None):
+            return
+        await self._restart(spec, reason)
+
+    async def _restart(self, spec: ChildSpec, reason: BaseException | None) -> None:
+        while True:
+            now = trio.current_time()
+            self._restart_times = [t for t in self._restart_times if now - t < self.within]
+            self._restart_times.append(now)
+            if len(self._restart_times) > self.max_restarts:
+                self._notify(spec.name, "escalated", reason)
+                raise RestartIntensityExceeded(self.name, self.max_restarts, self.within, reason)
+            group = self._group(spec)
+            await self._stop_children([self._running[s.name] for s in group if s.name in self._running])
+            group = [s for s in group if s is spec or s.restart != Restart.TEMPORARY]
+            delay = self.backoff.delay(len(self._restart_times))
+            log.warning("%s: restarting %s (cause: %r) in %.3g s", self.name,
+                        ", ".join(s.name for s in group), reason, delay)
+            for s in group:
+                self._notify(s.name, "restarting", reason)
+            await trio.sleep(delay)
+            try:
+                for s in group:
+                    self.restarts[s.name] += 1
+                    await self._start(s)
+                return
+            except ChildStartError as exc:
+                reason = exc
+
+    def _group(self, spec: ChildSpec) -> list[ChildSpec]:
+        index = self.specs.index(spec)
+        if self.strategy == Strategy.ONE_FOR_ALL:
+            return list(self.specs)
+        if self.strategy == Strategy.REST_FOR_ONE:
+            return self.specs[index:]
+        return [spec]
+
+    async def _stop_children(self, children: list[_Running]) -> None:
+        order = {spec.name: i for i, spec in enumerate(self.specs)}
+        for running in sorted(children, key=lambda r: order[r.spec.name], reverse=True):
+            await self._stop_child(running)
+
+    async def _stop_child(self, running: _Running) -> None:
+        running.stopping = True
+        self._running.pop(running.spec.name, None)
+        if not running.done.is_set():
+            with trio.move_on_after(running.spec.shutdown):
+                await running.child.stop()
+                await running.done.wait()
+            if not running.done.is_set():
+                log.warning("%s: child %s did not stop within %g s; cancelling", self.name,
+                            running.spec.name, running.spec.shutdown)
+                running.scope.cancel()
+                await running.done.wait()
+        self._notify(running.spec.name, "stopped")

@@ -1,0 +1,172 @@
+"""Supervision: start order, strategies, restart types, intensity, shutdown."""
+
+import pytest
+import trio
+
+from actors import Backoff, ChildStartError, Restart, RestartIntensityExceeded, Strategy, Supervisor
+from actors.testing import open_harness
+
+from .messages import Boom, Ping, Pong, Quit, Quitter, Slow
+
+
+def trio_of(h, log, **options):
+    return [
+        h.actor_spec(name, lambda name=name: Quitter("inproc://out", name, log), f"inproc://{name}", **options)
+        for name in ("a", "b", "c")
+    ]
+
+
+def starts(log):
+    return [name for kind, name in log if kind == "start"]
+
+
+async def test_children_start_in_order_each_awaited_ready(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        specs = [
+            h.actor_spec(name, lambda name=name, delay=delay: Quitter("inproc://out", name, log, ready_after=delay),
+                         f"inproc://{name}")
+            for name, delay in (("a", 3.0), ("b", 1.0), ("c", 0.0))
+        ]
+        t0 = trio.current_time()
+        sup = await h.start_supervisor("sup", specs)
+        assert trio.current_time() - t0 == pytest.approx(4.0)
+        assert starts(log) == ["a", "b", "c"]
+        assert sup.running() == ["a", "b", "c"]
+        await sup.stop()
+        await h.wait_event(lambda e: e.child == "a" and e.kind == "stopped")
+    assert [name for kind, name in log if kind == "stop"] == ["c", "b", "a"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "restarted", "stopped"),
+    [
+        (Strategy.ONE_FOR_ONE, ["b"], []),
+        (Strategy.ONE_FOR_ALL, ["a", "b", "c"], ["c", "a"]),
+        (Strategy.REST_FOR_ONE, ["b", "c"], ["c"]),
+    ],
+)
+async def test_strategy_decides_who_restarts(autojump_clock, strategy, restarted, stopped):
+    log = []
+    async with open_harness() as h:
+        out = await h.probe("inproc://out", Pong)
+        sup = await h.start_supervisor("sup", trio_of(h, log), strategy=strategy)
+        log.clear()
+        await h.send("inproc://b", Boom())
+        last = restarted[-1]
+        await h.wait_event(lambda e: h.count("started", last) == 2)
+        assert starts(log) == restarted
+        assert [name for kind, name in log if kind == "stop"] == stopped
+        assert sup.running() == ["a", "b", "c"]
+        for name in ("a", "b", "c"):  # everyone serves again
+            await h.send(f"inproc://{name}", Ping(1))
+            assert (await out.expect(Pong)).by == name
+
+
+@pytest.mark.parametrize(
+    ("restart", "after_exit", "after_crash"),
+    [
+        (Restart.PERMANENT, True, True),
+        (Restart.TRANSIENT, False, True),
+        (Restart.TEMPORARY, False, False),
+    ],
+)
+async def test_restart_type_decides_whether_a_child_comes_back(autojump_clock, restart, after_exit, after_crash):
+    for message, expected in ((Quit(), after_exit), (Boom(), after_crash)):
+        log = []
+        async with open_harness() as h:
+            spec = h.actor_spec("a", lambda: Quitter("inproc://out", "a", log), "inproc://a", restart=restart)
+            sup = await h.start_supervisor("sup", [spec])
+            await h.send("inproc://a", message)
+            await h.wait_event(lambda e: e.kind in ("exited", "crashed"))
+            await trio.sleep(1.0)
+            assert (sup.running() == ["a"]) is expected, (restart, message)
+            assert starts(log) == ["a", "a"] if expected else ["a"]
+
+
+async def test_restart_intensity_exceeded_stops_children_and_escalates(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", trio_of(h, log), max_restarts=2, within=10.0)
+        for _ in range(3):
+            await trio.sleep(1.0)
+            await h.send("inproc://b", Boom())
+        await h.wait_event(lambda e: sum(x.kind == "crashed" for x in h.events) == 3)
+        failed = await h.wait_event(lambda e: e.kind == "failed")
+        assert isinstance(failed.reason, RestartIntensityExceeded)
+        assert "more than 2 restarts within 10 s" in str(failed.reason)
+        assert sup.running() == []
+        assert [name for kind, name in log if kind == "stop"] == ["c", "a"]
+
+
+async def test_crashes_spread_beyond_the_window_do_not_escalate(autojump_clock):
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", trio_of(h, []), max_restarts=2, within=10.0)
+        for n in range(6):
+            await trio.sleep(6.0)
+            await h.send("inproc://b", Boom())
+            await h.wait_event(lambda e, n=n: h.count("started", "b") == n + 2)
+        assert not [e for e in h.events if e.kind in ("escalated", "failed")]
+
+
+async def test_back_off_grows_exponentially(autojump_clock):
+    async with open_harness() as h:
+        sup = await h.start_supervisor(
+            "sup", trio_of(h, []), max_restarts=10, within=100.0,
+            backoff=Backoff(initial=1.0, factor=2.0, maximum=3.0),
+        )
+        delays = []
+        for n in range(4):
+            t0 = trio.current_time()
+            await h.send("inproc://a", Boom())
+            await h.wait_event(lambda e, n=n: h.count("started", "a") == n + 2)
+            delays.append(trio.current_time() - t0)
+        assert delays == pytest.approx([1.0, 2.0, 3.0, 3.0])
+
+
+async def test_nested_supervisor_escalation_is_restarted_by_its_parent(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        inner_specs = trio_of(h, log)
+        inner = lambda: Supervisor("inner", inner_specs, max_restarts=0, observer=h.record)  # noqa: E731
+        from actors import ChildSpec
+
+        outer = await h.start_supervisor("outer", [ChildSpec("inner", inner)], max_restarts=3)
+        await h.send("inproc://c", Boom())
+        await h.wait_event(lambda e: e.supervisor == "outer" and e.kind == "crashed")
+        crashed = [e for e in h.events if e.supervisor == "outer" and e.kind == "crashed"][0]
+        assert isinstance(crashed.reason, RestartIntensityExceeded)
+        await h.wait_event(lambda e: h.count("started", "inner", "outer") == 2)
+        assert starts(log) == ["a", "b", "c", "a", "b", "c"]
+        assert outer.child("inner").running() == ["a", "b", "c"]
+
+
+async def test_shutdown_asks_then_cancels_after_the_grace_period(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        spec = h.actor_spec("slow", lambda: Slow("inproc://out", "slow", log), "inproc://slow", shutdown=3.0)
+        sup = await h.start_supervisor("sup", [spec])
+        t0 = trio.current_time()
+        await sup.stop()
+        await h.wait_event(lambda e: e.kind == "stopped")
+        assert trio.current_time() - t0 == pytest.approx(3.0)
+        assert log[-1] == ("stopping", "slow")
+
+
+async def test_a_child_failing_to_start_fails_the_supervisor(autojump_clock):
+    async with open_harness() as h:
+        specs = [h.actor_spec("a", lambda: Quitter("inproc://out", "a"), "inproc://a"),
+                 h.actor_spec("b", lambda: Quitter("inproc://out", "b", fail_start=True), "inproc://b")]
+        with pytest.raises(ChildStartError, match="'b' failed to start"):
+            await h.start_supervisor("sup", specs)
+
+
+async def test_duplicate_child_names_are_refused():
+    with pytest.raises(ValueError, match="repeat"):
+        Supervisor("sup", [ChildSpecStub("x"), ChildSpecStub("x")])
+
+
+def ChildSpecStub(name):
+    from actors import ChildSpec
+
+    return ChildSpec(name, lambda: None)
