@@ -1,0 +1,223 @@
+"""Children in other OS processes: a subtree with its own trio loop and Hub.
+
+``ProcessChild("pkg.module:factory", args)`` runs ``factory(hub, **args)`` — a
+function returning a Child (an ActorChild, a Supervisor, ...) — in a fresh
+Python process, and is itself a Child, so a supervisor treats it like any
+other:
+
+- readiness crosses the boundary: ``run`` reports ready only once the
+  subtree in the child process has reported ready (its endpoints are bound);
+- death is noticed at once (the process's exit wakes ``Process.wait``,
+  which waits on a pidfd), and the exit status becomes the crash reason;
+- stopping asks first (a line on the child's stdin), then, when the
+  supervisor's grace period runs out, SIGTERM, then SIGKILL after
+  ``kill_after`` seconds;
+- the child exits by itself when its parent dies (it waits on the parent's
+  pidfd), so a crashed server leaves no orphans.
+
+The spec travels as JSON on stdin; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+import trio
+
+from transports import open_hub
+
+from ._errors import ChildStartError
+
+__all__ = ["ProcessChild", "ProcessExited"]
+
+log = logging.getLogger("actors.process")
+
+EXIT_CRASHED = 70  # the subtree in the child raised
+EXIT_ORPHANED = 71  # the parent died
+
+
+class ProcessExited(Exception):
+    """A child process ended without being asked to."""
+
+    def __init__(self, name: str, returncode: int) -> None:
+        if returncode < 0:
+            how = f"was killed by {signal.Signals(-returncode).name}"
+        elif returncode == EXIT_CRASHED:
+            how = "crashed (its subtree raised)"
+        else:
+            how = f"exited with status {returncode}"
+        super().__init__(f"process {name!r} {how}")
+        self.returncode = returncode
+
+
+class _Spec(msgspec.Struct):
+    target: str
+    args: dict[str, Any]
+    parent_pid: int
+    name: str
+    log_level: int
+
+
+class ProcessChild:
+    """A supervisor child that runs ``target(hub, **args)`` in a child process."""
+
+    def __init__(self, target: str, args: dict[str, Any] | None = None, *,
+                 name: str | None = None, kill_after: float = 5.0,
+                 ready_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        self.target = target
+        self.args = args or {}
+        self.name = name or target
+        self.kill_after = kill_after
+        self.ready_timeout = ready_timeout
+        self.env = env
+        self.process: trio.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def stop(self) -> None:
+        """Ask the child process to stop its subtree and exit."""
+        process = self.process
+        if process is None or process.returncode is not None or process.stdin is None:
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            await process.stdin.send_all(b"stop\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        ready_read, ready_write = os.pipe()
+        spec = _Spec(self.target, self.args, os.getpid(), self.name, logging.getLogger().level)
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        try:
+            self.process = process = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "actors.process", str(ready_write)],
+                stdin=subprocess.PIPE, pass_fds=(ready_write,), env=env,
+            )
+        finally:
+            os.close(ready_write)
+        try:
+            assert process.stdin is not None
+            await process.stdin.send_all(msgspec.json.encode(spec) + b"\n")
+            async with trio.lowlevel.FdStream(ready_read) as ready:
+                with trio.move_on_after(self.ready_timeout) as waited:
+                    line = await ready.receive_some()
+                if waited.cancelled_caught or not line.startswith(b"ready"):
+                    code = await _exit_status(process, 1.0)
+                    raise ChildStartError(
+                        f"process {self.name!r} did not report ready"
+                        + (" in time" if waited.cancelled_caught else f" (exit status {code})")
+                    )
+            log.info("process %s (pid %d) is ready", self.name, process.pid)
+            task_status.started(self)
+            returncode = await process.wait()
+            if returncode != 0:
+                raise ProcessExited(self.name, returncode)
+        finally:
+            with trio.CancelScope(shield=True):
+                await _terminate(process, self.kill_after, self.name)
+
+
+async def _exit_status(process: trio.Process, wait: float) -> int | None:
+    with trio.move_on_after(wait):
+        return await process.wait()
+    return None
+
+
+async def _terminate(process: trio.Process, kill_after: float, name: str) -> None:
+    if process.returncode is not None:
+        return
+    process.terminate()
+    with trio.move_on_after(kill_after):
+        await process.wait()
+        return
+    log.warning("process %s (pid %d) ignored SIGTERM for %g s; killing it", name, process.pid, kill_after)
+    process.kill()
+    await process.wait()
+
+
+# -- the child side -------------------------------------------------------------
+
+
+def _load(target: str) -> Any:
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+async def _child_main(spec: _Spec, ready_fd: int) -> None:
+    factory = _load(spec.target)
+    async with open_hub() as hub, trio.open_nursery() as nursery:
+        nursery.start_soon(_exit_when_parent_dies, spec.parent_pid)
+        child = factory(hub, **spec.args)
+        nursery.start_soon(_stop_when_asked, child)
+        done = trio.Event()
+
+        async def run_child(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await child.run(task_status=task_status)
+            finally:
+                done.set()
+
+        await nursery.start(run_child)
+        os.write(ready_fd, b"ready\n")
+        os.close(ready_fd)
+        await done.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_when_asked(child: Any) -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    async with stdin:
+        async for chunk in stdin:
+            if b"stop" in chunk:
+                await child.stop()
+                return
+    # stdin closed: the parent is gone or gave up on us
+    await child.stop()
+
+
+async def _exit_when_parent_dies(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_ORPHANED)
+    pidfd = os.pidfd_open(parent_pid)
+    await trio.lowlevel.wait_readable(pidfd)
+    os._exit(EXIT_ORPHANED)
+
+
+def _read_line(fd: int) -> bytes:
+    """One line from ``fd``, unbuffered: what follows it is the control stream."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return bytes(line)
+
+
+def main() -> None:
+    ready_fd = int(sys.argv[1])
+    spec = msgspec.json.decode(_read_line(0), type=_Spec)
+    logging.basicConfig(level=spec.log_level or logging.WARNING,
+                        format=f"%(asctime)s {spec.name}[%(process)d] %(levelname)s %(name)s: %(message)s")
+    try:
+        trio.run(_child_main, spec, ready_fd)
+    except BaseException:  # noqa: BLE001 - report, then exit with a status the parent reads
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(EXIT_CRASHED)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Actors in child processes: readiness, death noticed at once, restarts, no orphans."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import trio
+
+from actors import ChildSpec, ChildStartError, RestartIntensityExceeded, Strategy
+from actors.process import ProcessChild, ProcessExited
+from actors.testing import open_harness
+
+from .messages import Ping, Pong
+
+
+def process_spec(child, target, **args):
+    return ChildSpec(child, lambda: ProcessChild(f"tests.actors.processes:{target}", args, name=child))
+
+
+async def wait_pong(out, name, n):
+    msg = await out.expect(Pong, timeout=10.0)
+    assert (msg.n, msg.by) == (n, name)
+
+
+@pytest.fixture
+def ipc(tmp_path):
+    return lambda name: f"ipc://{tmp_path}/{name}.sock"
+
+
+async def test_process_actor_serves_once_ready(ipc):
+    async with open_harness() as h:
+        out = await h.probe(ipc("out"), Pong)
+        sup = await h.start_supervisor("sup", [process_spec("echo", "echo", address=ipc("echo"), reply_to=ipc("out"))])
+        # ready means bound: the first message is not lost
+        await h.send(ipc("echo"), Ping(1))
+        await wait_pong(out, "echo", 1)
+        assert sup.child("echo").pid != os.getpid()
+
+
+@pytest.mark.parametrize("strategy", [Strategy.ONE_FOR_ONE, Strategy.REST_FOR_ONE])
+async def test_killed_process_is_noticed_and_restarted(ipc, strategy):
+    async with open_harness() as h:
+        out = await h.probe(ipc("out"), Pong)
+        specs = [
+            process_spec("a", "echo", address=ipc("a"), reply_to=ipc("out"), name="a"),
+            process_spec("b", "echo_tree", address=ipc("b"), reply_to=ipc("out")),
+        ]
+        sup = await h.start_supervisor("sup", specs, strategy=strategy)
+        pid_a, pid_b = sup.child("a").pid, sup.child("b").pid
+        os.kill(pid_a, signal.SIGKILL)
+        t0 = trio.current_time()
+        crash = await h.wait_event(lambda e: e.kind == "crashed", timeout=10)
+        assert trio.current_time() - t0 < 0.5  # noticed at once, not by polling
+        assert isinstance(crash.reason, ProcessExited) and "SIGKILL" in str(crash.reason)
+        await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
+        expected_b = pid_b if strategy == Strategy.ONE_FOR_ONE else None
+        if expected_b is None:
+            await h.wait_event(lambda e: h.count("started", "b") == 2, timeout=30)
+            assert sup.child("b").pid != pid_b
+        else:
+            assert sup.child("b").pid == pid_b
+        assert sup.child("a").pid != pid_a
+        # the new process rebound the same address: old senders reach it
+        for n, name in ((1, "a"), (2, "echo")):
+            await h.send(ipc("a" if name == "a" else "b"), Ping(n))
+            await wait_pong(out, name, n)
+
+
+async def test_crashing_processes_exceed_intensity_and_escalate(ipc):
+    async with open_harness() as h:
+        sup = await h.start_supervisor(
+            "sup", [process_spec("a", "echo", address=ipc("a"), reply_to=ipc("out"))], max_restarts=1, within=60.0
+        )
+        for k in (1, 2):
+            os.kill(sup.child("a").pid, signal.SIGKILL)
+            await h.wait_event(lambda e, k=k: h.count("crashed", "a") == k, timeout=30)
+            if k == 1:
+                await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
+        failed = await h.wait_event(lambda e: e.kind == "failed", timeout=30)
+        assert isinstance(failed.reason, RestartIntensityExceeded)
+
+
+async def test_a_process_that_fails_to_start_is_a_start_error():
+    async with open_harness() as h:
+        with pytest.raises(ChildStartError, match="did not report ready"):
+            await h.start_supervisor("sup", [process_spec("x", "fails_to_start")])
+
+
+async def test_shutdown_escalates_ask_sigterm_sigkill(ipc):
+    async with open_harness() as h:
+        spec = ChildSpec(
+            "stubborn",
+            lambda: ProcessChild("tests.actors.processes:stubborn", name="stubborn", kill_after=0.5),
+            shutdown=0.5,
+        )
+        sup = await h.start_supervisor("sup", [spec])
+        process = sup.child("stubborn").process
+        t0 = trio.current_time()
+        await sup.stop()
+        await h.wait_event(lambda e: e.kind == "stopped", timeout=10)
+        assert process.returncode == -signal.SIGKILL
+        assert 1.0 <= trio.current_time() - t0 < 5.0
+
+
+async def test_graceful_stop_lets_the_process_exit_cleanly(ipc):
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", [process_spec("a", "echo_tree", address=ipc("a"), reply_to=ipc("out"))])
+        process = sup.child("a").process
+        await sup.stop()
+        await h.wait_event(lambda e: e.kind == "stopped", timeout=10)
+        assert process.returncode == 0
+
+
+PARENT = textwrap.dedent(
+    """
+    import sys, trio
+    from actors import ChildSpec, Supervisor
+    from actors.process import ProcessChild
+    from transports import open_hub
+
+    async def main():
+        async with open_hub() as hub:
+            spec = ChildSpec("a", lambda: ProcessChild("tests.actors.processes:stubborn", name="a"))
+            sup = Supervisor("sup", [spec])
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sup.run)
+                print(sup.child("a").pid, flush=True)
+                await trio.sleep_forever()
+
+    trio.run(main)
+    """
+)
+
+
+async def test_children_exit_when_their_parent_dies():
+    parent = await trio.lowlevel.open_process([sys.executable, "-c", PARENT], stdout=subprocess.PIPE)
+    try:
+        line = b""
+        while not line.endswith(b"\n"):
+            line += await parent.stdout.receive_some()
+        child_pid = int(line)
+        child = os.pidfd_open(child_pid)
+        parent.kill()
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(child)  # the orphan noticed and exited
+        os.close(child)
+    finally:
+        parent.kill()
+        await parent.wait()
