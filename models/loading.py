@@ -8,7 +8,6 @@ as safetensors in a user cache dir, so a second load takes about a second.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -74,9 +73,7 @@ def converted_gguf_dir(gguf: Path) -> Path:
     """The cached safetensors conversion of `gguf`, made now if missing."""
     if gguf.suffix != ".gguf":
         raise ModelLoadError(f"{gguf}: a model file must be .gguf (or pass a directory)")
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    target = cache_root() / f"{gguf.stem}-{key.hexdigest()[:16]}"
+    target = cache_root() / f"{gguf.stem}-{_cache_key(gguf)}"
     if (target / "tercet-source.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +89,12 @@ def converted_gguf_dir(gguf: Path) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -215,5 +218,5 @@ def to_transformers(loaded: LoadedModel, dtype: torch.dtype = torch.float32):
 
 
 def _offline() -> None:
-    with contextlib.suppress(Exception):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Never reach for the hub: every model here is a local file."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

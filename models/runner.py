@@ -152,8 +152,14 @@ def generate(
     max_new_tokens: int,
     params: SamplingParams = GREEDY,
     prefill_chunk: int | None = None,
+    output_so_far: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
-    """A plain static-batch loop (no eos stop): for tests, benchmarks and examples."""
+    """A plain static-batch loop (no eos stop): for tests, benchmarks and examples.
+
+    `output_so_far[i]` are tokens generated before a restart, already at the
+    end of `prompts[i]`: they count as output for the penalties.
+    """
+    prior = [list(p) for p in output_so_far] if output_so_far else [[] for _ in prompts]
     tables = [runner.kv.allocate(runner.kv.pages_for(len(p) + max_new_tokens)) for p in prompts]
     try:
         outputs: list[list[int]] = [[] for _ in prompts]
@@ -165,7 +171,7 @@ def generate(
                 if cached[i] < len(p):
                     new = p[cached[i] : cached[i] + chunk]
                     last = cached[i] + len(new) == len(p)
-                    batch.append(SeqInput(new, tables[i], cached[i], last, params, p, ()))
+                    batch.append(SeqInput(new, tables[i], cached[i], last, params, p, prior[i]))
                     who.append(i)
             result = runner.step(batch)
             for i, s, token in zip(who, batch, result.token_ids):
@@ -174,7 +180,7 @@ def generate(
                     outputs[i].append(token)
         while len(outputs[0]) < max_new_tokens:
             batch = [
-                SeqInput([out[-1]], tables[i], len(prompts[i]) + len(out) - 1, True, params, prompts[i], out)
+                SeqInput([out[-1]], tables[i], len(prompts[i]) + len(out) - 1, True, params, prompts[i], prior[i] + out)
                 for i, out in enumerate(outputs)
             ]
             for out, token in zip(outputs, runner.step(batch).token_ids):
