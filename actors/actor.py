@@ -32,7 +32,7 @@ from transports import DEFAULT_CAPACITY, Decoder, Hub, Sender
 
 from ._errors import CallError, CallTimeout, unwrap
 
-__all__ = ["Actor", "ActorChild", "Call", "Caller", "Context", "Reply"]
+__all__ = ["Actor", "ActorChild", "Call", "Caller", "Context", "Heartbeat", "Reply"]
 
 log = logging.getLogger("actors")
 T = TypeVar("T")
@@ -52,11 +52,18 @@ class Reply(msgspec.Struct, tag="actors.reply", array_like=True, gc=False):
     error: str | None = None
 
 
+class Heartbeat(msgspec.Struct, tag="actors.heartbeat", array_like=True, gc=False):
+    """Answered by the runtime itself (not ``handle``) with an empty Reply."""
+
+    id: int
+    reply_to: str
+
+
 @functools.cache
 def mailbox_decoder(inbox: Any) -> Decoder:
     """The decoder of a mailbox for ``inbox``: its messages, calls of them, replies."""
     members = typing.get_args(inbox) if typing.get_origin(inbox) in (typing.Union, _UnionType) else (inbox,)
-    return Decoder(typing.Union[(*members, Call[inbox], Reply)])  # type: ignore[misc]
+    return Decoder(typing.Union[(*members, Call[inbox], Reply, Heartbeat)])  # type: ignore[misc]
 
 
 _UnionType = type(int | str)
@@ -76,17 +83,26 @@ class Caller:
 
     async def call(self, sender: Sender, msg: Any, *, reply: Any = Any,
                    timeout: float = 10.0) -> Any:
+        return await self._request(sender, lambda call_id: Call(call_id, self.reply_to, msg),
+                                   type(msg).__name__, reply, timeout)
+
+    async def heartbeat(self, sender: Sender, *, timeout: float) -> None:
+        await self._request(sender, lambda call_id: Heartbeat(call_id, self.reply_to),
+                            "heartbeat", Any, timeout)
+
+    async def _request(self, sender: Sender, envelope: typing.Callable[[int], Any], what: str,
+                       reply: Any, timeout: float) -> Any:
         call_id = next(self._ids)
         send, receive = trio.open_memory_channel[Reply](1)
         self._pending[call_id] = send
         try:
             with trio.move_on_after(timeout):
-                await sender.send(Call(call_id, self.reply_to, msg))
+                await sender.send(envelope(call_id))
                 answer = await receive.receive()
                 if answer.error is not None:
-                    raise CallError(f"{sender.address} failed handling {type(msg).__name__}: {answer.error}")
+                    raise CallError(f"{sender.address} failed handling {what}: {answer.error}")
                 return _convert(answer.body, reply)
-            raise CallTimeout(f"no reply from {sender.address} to {type(msg).__name__} within {timeout:g} s")
+            raise CallTimeout(f"no reply from {sender.address} to {what} within {timeout:g} s")
         finally:
             del self._pending[call_id]
 
@@ -195,7 +211,7 @@ class ActorChild:
             async with trio.open_nursery() as nursery:
                 ctx = Context(self.address, self.hub, nursery, self.capacity, self)
                 handoff_send, handoff_receive = trio.open_memory_channel[Any](self.capacity)
-                nursery.start_soon(_route_replies, inbox, ctx._caller, handoff_send)
+                nursery.start_soon(_route_replies, inbox, ctx, handoff_send)
                 await actor.on_start(ctx)
                 task_status.started(ctx)
                 await self._dispatch_until_stopped(actor, ctx, handoff_receive)
@@ -238,16 +254,17 @@ class ActorChild:
         await ctx.send(msg.reply_to, Reply(msg.id, result))
 
 
-async def _route_replies(inbox: Any, caller: Caller, handoff: trio.MemorySendChannel[Any]) -> None:
+async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChannel[Any]) -> None:
     """Read the mailbox; replies go straight to their callers, the rest to ``handle``.
 
     Separate from the dispatch loop so a handler awaiting ``call`` can still
-    receive its reply.
+    receive its reply, and heartbeats are answered while a handler works.
     """
     async with handoff:
         async for msg in inbox:
             if isinstance(msg, Reply):
-                caller.resolve(msg)
+                ctx._caller.resolve(msg)
+            elif isinstance(msg, Heartbeat):
+                await ctx.send(msg.reply_to, Reply(msg.id))
             else:
                 await handoff.send(msg)
-
