@@ -132,6 +132,7 @@ class Context:
         self._senders: dict[str, Sender] = {}
         self._caller = Caller(address)
         self._child = child
+        self.actor = child.actor  # the running actor object (in this process)
 
     async def sender(self, address: str) -> Sender:
         sender = self._senders.get(address)

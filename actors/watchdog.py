@@ -73,9 +73,14 @@ class _Watchdog:
 
 
 class SoftWatchdog(_Watchdog):
-    def __init__(self, name: str, timeout: float, *, busy: Callable[[], bool] = lambda: True) -> None:
+    """``on_fire``, when given, is called instead of raising (the stuck party is
+    elsewhere, e.g. a scheduler in another process); the watchdog then re-arms."""
+
+    def __init__(self, name: str, timeout: float, *, busy: Callable[[], bool] = lambda: True,
+                 on_fire: Callable[[WatchdogTimeout], None] | None = None) -> None:
         super().__init__(name, timeout)
         self._busy = busy
+        self._on_fire = on_fire
         self._disabled = 0
         self._last_fed = 0.0
 
@@ -104,7 +109,13 @@ class SoftWatchdog(_Watchdog):
             if self._disabled or not self._busy():
                 self._last_fed = trio.current_time()  # idle is not stuck
                 continue
-            self._fire("no message while work is in flight")
+            try:
+                self._fire("no message while work is in flight")
+            except WatchdogTimeout as report:
+                if self._on_fire is None:
+                    raise
+                self._on_fire(report)
+                self._last_fed = trio.current_time()
 
 
 class StepWatchdog(_Watchdog):

@@ -98,3 +98,14 @@ async def test_format_task_stack_names_nested_tasks():
         text = format_task_stack(trio.lowlevel.current_task())
         nursery.cancel_scope.cancel()
     assert "inner_sleeper" in text
+
+
+async def test_soft_watchdog_can_report_instead_of_raising(autojump_clock):
+    reports = []
+    dog = SoftWatchdog("rx", 5.0, on_fire=reports.append)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(dog.run)
+        dog.feed()
+        await trio.sleep(12.0)
+        nursery.cancel_scope.cancel()
+    assert len(reports) == 2 and all(isinstance(r, WatchdogTimeout) for r in reports)
