@@ -1,13 +1,19 @@
 import itertools
+import socket
 
 import msgspec
 import pytest
 
 from transports import open_hub
 
-SCHEMES = ["inproc"]
+SCHEMES = ["inproc", "ipc", "tcp"]
 
-_ports = itertools.count(0)
+
+def free_tcp_port() -> int:
+    """A port nothing listens on now (the OS picks it; a race is unlikely)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class Note(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -31,7 +37,9 @@ def make_address(scheme, tmp_path):
             return f"inproc://contract-{n}"
         if scheme == "ipc":
             return f"ipc://{tmp_path}/contract-{n}.sock"
-        raise AssertionError(scheme)  # tcp: the zmq transport adds its port picking
+        if scheme == "tcp":
+            return f"tcp://127.0.0.1:{free_tcp_port()}"
+        raise AssertionError(scheme)
 
     return make
 

@@ -1,0 +1,150 @@
+"""The receiving end of an ipc/tcp channel: a ROUTER socket and the task that owns it.
+
+The owner drains every message ready on the socket per wake-up (up to
+``DRAIN_BATCH``) into a bounded memory channel; ``receive`` takes from that
+channel and decodes in the caller's task. While the channel is full the owner
+reads nothing, so libzmq's receive high-water mark fills and the senders'
+sockets block in turn: backpressure reaches every sender.
+
+ROUTER rather than PULL because the receiver must answer each sender's
+end-of-stream with an acknowledgement, addressed by the routing id ROUTER
+puts in front of every message. The acknowledgement goes out once the end
+marker (and so everything that sender sent before it) is in the channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import trio
+import zmq
+
+from .base import Address, DropCounter, Receiver
+from .codec import CodecError, Decoder
+from ._zmqsender import YIELD_EVERY
+from ._zmqsocket import close_socket, is_closed_error, recv_parts, wait_until
+
+__all__ = ["DRAIN_BATCH", "ZmqReceiver"]
+
+DRAIN_BATCH = 256  # most messages taken from the socket per wake-up of the owner
+log = logging.getLogger("transports")
+
+
+class _EndOfStream:
+    """Put in the channel when a sender's end-of-stream arrives."""
+
+
+_END = _EndOfStream()
+_NOBLOCK = zmq.NOBLOCK
+_NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
+
+
+class ZmqReceiver(Receiver[Any]):
+    def __init__(self, address: Address, sock: zmq.Socket, decoder: Decoder, capacity: int,
+                 senders: int | None, forget: Callable[[Any], None]) -> None:
+        self.address = address
+        self.dropped = DropCounter(str(address))
+        self.finished = trio.Event()  # the owner is done and the socket closed
+        self._sock = sock
+        self._fd: int = sock.getsockopt(zmq.FD)
+        self._decoder = decoder
+        self._to_user, self._from_owner = trio.open_memory_channel[Any](capacity)
+        self._ends_left = math.inf if senders is None else senders
+        self._unyielded = 0
+        self._failure: str | None = None
+        self._owner_scope = trio.CancelScope()
+        self._forget = forget
+
+    async def receive(self) -> Any:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._ends_left <= 0:
+                await trio.lowlevel.checkpoint()
+                raise trio.EndOfChannel
+            item = await self._next_item()
+            if item is _END:
+                self._ends_left -= 1
+                continue
+            try:
+                return self._decoder.decode(item)
+            except CodecError as error:
+                self.dropped.drop(error)
+
+    async def _next_item(self) -> Any:
+        # Taking a ready item without a schedule point is safe against
+        # cancellation (nothing can interrupt between taking and returning);
+        # a real yield still comes every YIELD_EVERY items.
+        try:
+            if self._unyielded < YIELD_EVERY:
+                try:
+                    item = self._from_owner.receive_nowait()
+                    self._unyielded += 1
+                    return item
+                except trio.WouldBlock:
+                    pass
+            self._unyielded = 0
+            return await self._from_owner.receive()
+        except trio.EndOfChannel:  # the owner stopped without our aclose
+            raise trio.BrokenResourceError(
+                f"{self.address}: {self._failure or 'the transport was closed'}"
+            ) from None
+
+    async def aclose(self) -> None:
+        self._from_owner.close()
+        self._owner_scope.cancel()
+        await self.finished.wait()
+
+    def abort(self, reason: str) -> None:
+        if self._failure is None and not self.finished.is_set():
+            self._failure = reason
+        self._owner_scope.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The owning task: move messages from the socket into the channel."""
+        with self._owner_scope:
+            task_status.started()
+            try:
+                await self._pump()
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # receive side closed by aclose
+            except zmq.ZMQError as exc:
+                if not is_closed_error(exc):
+                    self._failure = str(exc)
+                    log.error("%s: receiver failed: %s", self.address, exc)
+            finally:
+                close_socket(self._sock, self._fd)
+                self._to_user.close()
+                self.finished.set()
+                self._forget(self)
+
+    async def _pump(self) -> None:
+        sock, put = self._sock, self._to_user
+        while True:
+            for _ in range(DRAIN_BATCH):
+                try:
+                    peer = sock.recv(_NOBLOCK)
+                except zmq.Again:
+                    break
+                parts = recv_parts(sock)  # the rest of a message is always there
+                if len(parts) == 1 and not len(parts[0]):
+                    await put.send(_END)
+                    self._acknowledge(peer)
+                    continue
+                try:
+                    put.send_nowait(parts)
+                except trio.WouldBlock:
+                    await put.send(parts)  # full: stop reading, let the HWM push back
+            else:
+                # a full batch: let other tasks run; shielded, so a message
+                # just taken is never lost to a cancel here (FACTS item 6)
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                continue
+            await wait_until(sock, self._fd, zmq.POLLIN)
+
+    def _acknowledge(self, peer: bytes) -> None:
+        # ROUTER drops a message to a peer that has gone: nothing to wait for
+        self._sock.send(peer, _NOBLOCK_MORE)
+        self._sock.send(b"", _NOBLOCK)

@@ -1,0 +1,105 @@
+"""One ZeroMQ socket driven from trio, pitfalls included (FACTS.md, "trio + ZeroMQ").
+
+pyzmq has no trio support, so the socket's ``FD`` is waited on directly. That
+FD is edge-triggered: it says "the socket's state may have changed", and
+reading ``EVENTS`` consumes the edge. The rules kept here:
+
+1. always try a ``NOBLOCK`` operation first and sleep only on ``zmq.Again``;
+2. re-read ``EVENTS`` before every sleep on the FD (:func:`wait_until`);
+3. one task owns a socket and is the only one ever waiting on its FD;
+4. ``notify_closing`` before ``close`` (:func:`close_socket`);
+5. a send with no peer raises ``zmq.Again``: wait for ``POLLOUT``.
+
+The hot path avoids ``getsockopt``, ``send_multipart`` and
+``recv_multipart``: each costs microseconds in pyzmq 27, more than a frame.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+import zmq
+
+from .base import AddressError
+
+__all__ = [
+    "RECONNECT_IVL_MAX_MS",
+    "RECONNECT_IVL_MS",
+    "close_socket",
+    "is_closed_error",
+    "os_error",
+    "recv_parts",
+    "send_parts",
+    "wait_until",
+]
+
+RECONNECT_IVL_MS = 10  # a restarted receiver is found again within ~10 ms
+RECONNECT_IVL_MAX_MS = 200  # ...backing off to 200 ms while nobody is bound
+
+_NOBLOCK = zmq.NOBLOCK
+_NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
+_CLOSED_ERRNOS = {zmq.ETERM, zmq.ENOTSOCK, errno.EBADF}
+_ADDRESS_ERRNOS = {errno.EINVAL, errno.EPROTONOSUPPORT, errno.ENODEV}
+
+
+async def wait_until(sock: zmq.Socket, fd: int, event: int) -> None:
+    """Return once ``sock`` can do ``event`` (``zmq.POLLIN`` or ``zmq.POLLOUT``).
+
+    Only the socket's owning task may call this (two waiters on one FD raise
+    ``trio.BusyResourceError``).
+    """
+    while not (sock.getsockopt(zmq.EVENTS) & event):
+        await trio.lowlevel.wait_readable(fd)
+
+
+def send_parts(sock: zmq.Socket, frames: Sequence[Any]) -> None:
+    """Send one multipart message without blocking; raise ``zmq.Again`` if full.
+
+    Multipart messages are atomic in ZeroMQ: once the first part is accepted,
+    the high-water mark does not refuse the others. Buffers after the header
+    (numpy arrays) go without a copy.
+    """
+    last = len(frames) - 1
+    if last == 0:
+        sock.send(frames[0], _NOBLOCK)
+        return
+    sock.send(frames[0], _NOBLOCK_MORE)
+    for index in range(1, last):
+        sock.send(frames[index], _NOBLOCK_MORE, copy=False)
+    sock.send(frames[last], _NOBLOCK, copy=False)
+
+
+def recv_parts(sock: zmq.Socket) -> list[Any]:
+    """The remaining parts of a message whose first part was just received.
+
+    Parts come as ``zmq.Frame`` (no copy); ``Frame.more`` is read instead of
+    ``RCVMORE``, which is several times slower.
+    """
+    frame = sock.recv(_NOBLOCK, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        parts.append(frame)
+    return parts
+
+
+def close_socket(sock: zmq.Socket, fd: int | None) -> None:
+    """Wake any waiter on the FD, then close without lingering."""
+    if fd is not None:
+        trio.lowlevel.notify_closing(fd)
+    sock.close(linger=0)
+
+
+def is_closed_error(exc: zmq.ZMQError) -> bool:
+    """The socket or its context is already closed."""
+    return exc.errno in _CLOSED_ERRNOS
+
+
+def os_error(exc: zmq.ZMQError, address: object) -> Exception:
+    """Translate a bind/connect failure into AddressError or OSError."""
+    if exc.errno in _ADDRESS_ERRNOS:
+        return AddressError(f"cannot use {address}: {exc.strerror}")
+    return OSError(exc.errno, f"{address}: {exc.strerror}")
