@@ -1,0 +1,225 @@
+"""What only the ZeroMQ schemes have: the wire, raw peers, addresses, CURVE, aborts."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import zmq
+import zmq.auth
+
+from transports import Address, AddressError, Decoder, Encoder, open_hub
+from transports.zmq import CurveConfig, ZmqTransport
+
+from .conftest import Note, free_tcp_port
+
+
+class Tensor(msgspec.Struct, tag=True, array_like=True, gc=False):
+    name: str
+    data: np.ndarray
+
+
+Wire = Union[Note, Tensor]
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def wire_address(request, tmp_path):
+    if request.param == "ipc":
+        return f"ipc://{tmp_path}/wire.sock"
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
+
+
+@pytest.fixture
+def raw_dealer():
+    """A plain pyzmq DEALER: the peer that sends whatever bytes a test likes."""
+    context = zmq.Context()
+    sockets = []
+
+    def make(address: str, **options) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
+
+
+async def test_arrays_travel_out_of_band(wire_address):
+    async with open_hub() as hub:
+        receiver = await hub.bind(wire_address, Wire)
+        async with await hub.connect(wire_address) as sender:
+            data = np.arange(100_000, dtype=np.int32).reshape(100, 1000)
+            await sender.send(Tensor("w", data))
+            got = await receiver.receive()
+        assert got.name == "w" and got.data.shape == (100, 1000)
+        np.testing.assert_array_equal(got.data, data)
+        assert not got.data.flags.writeable  # a view of the received frame
+        await receiver.aclose()
+
+
+async def test_malformed_frames_from_a_raw_peer_are_counted_and_dropped(wire_address, raw_dealer):
+    async with open_hub() as hub:
+        receiver = await hub.bind(wire_address, Wire)
+        peer = raw_dealer(wire_address)
+        header, array = Encoder().encode(Tensor("t", np.arange(4)))
+        peer.send(b"\xc1")  # not msgpack
+        peer.send(b"\x93\xa4Note\x01")  # truncated
+        peer.send(b"\x93\xa4Nope\x01\x02")  # unknown tag
+        peer.send(header)  # its out-of-band frame is missing
+        peer.send_multipart([b"\x94\xa4Note\x00\x07\xc4\x00", b"stray"])  # an extra frame: ignored
+        peer.send_multipart(Encoder().encode(Note(0, 9)))
+        with trio.fail_after(5):
+            assert (await receiver.receive()).seq == 7
+            assert (await receiver.receive()).seq == 9
+        assert dict(receiver.dropped.counts) == {
+            "malformed": 1, "truncated": 1, "invalid": 1, "buffer": 1,
+        }
+        peer.send_multipart([header, array])
+        with trio.fail_after(5):
+            assert (await receiver.receive()).data.tolist() == [0, 1, 2, 3]
+        await receiver.aclose()
+
+
+async def test_port_zero_picks_a_free_port_and_binds_the_host_given():
+    async with open_hub() as hub:
+        receiver = await hub.bind("tcp://127.0.0.1:0", Note)
+        assert receiver.address.scheme == "tcp"
+        host, port = receiver.address.rest.split(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        async with await hub.connect(receiver.address) as sender:
+            await sender.send(Note(0, 1))
+        assert (await receiver.receive()).seq == 1
+        await receiver.aclose()
+
+
+async def test_binding_a_bound_address_again_fails(wire_address):
+    async with open_hub() as hub:
+        receiver = await hub.bind(wire_address, Note)
+        with pytest.raises(OSError):
+            await hub.bind(wire_address, Note)
+        await receiver.aclose()
+
+
+async def test_bad_addresses_are_address_errors():
+    async with open_hub() as hub:
+        with pytest.raises(AddressError):
+            await hub.connect("tcp://*:5555")  # a connect needs a host
+        with pytest.raises(AddressError):
+            await hub.bind("tcp://no-such-interface.invalid:5555", Note)
+
+
+async def test_close_waits_until_a_full_receiver_has_taken_everything(tmp_path):
+    address = f"ipc://{tmp_path}/full.sock"
+    count = 3000
+    async with open_hub() as hub:
+        receiver = await hub.bind(address, Note, capacity=4, senders=1)
+        sender = await hub.connect(address, capacity=4)
+        closed = trio.Event()
+
+        async def send_all_then_close():
+            for seq in range(count):
+                await sender.send(Note(0, seq, b"x" * 200))
+            await sender.aclose()
+            closed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all_then_close)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            assert not closed.is_set()  # the receiver is full: close must wait
+            got = [note.seq async for note in receiver]
+        assert closed.is_set()
+        assert got == list(range(count))
+        await receiver.aclose()
+
+
+async def test_cancelled_close_without_a_receiver_abandons_promptly(wire_address):
+    async with open_hub() as hub:
+        sender = await hub.connect(wire_address)
+        await sender.send(Note(0, 1))
+        with trio.move_on_after(0.2) as scope:
+            await sender.aclose()  # nobody will ever acknowledge
+        assert scope.cancelled_caught
+        with pytest.raises(trio.ClosedResourceError):
+            await sender.send(Note(0, 2))
+
+
+async def test_closing_the_hub_ends_open_channels(wire_address):
+    async with open_hub() as hub:
+        receiver = await hub.bind(wire_address, Note)
+        sender = await hub.connect(wire_address)
+        await sender.send(Note(0, 1))
+    with pytest.raises(trio.BrokenResourceError):
+        while True:
+            await receiver.receive()
+    with pytest.raises(trio.BrokenResourceError):
+        await sender.send(Note(0, 2))
+
+
+async def test_a_sender_blocked_on_a_full_receiver_can_be_cancelled(tmp_path):
+    address = f"ipc://{tmp_path}/cancel.sock"
+    async with open_hub() as hub:
+        receiver = await hub.bind(address, Note, capacity=1)
+        sender = await hub.connect(address, capacity=1)
+        sent = 0
+        with trio.move_on_after(0.5):
+            while True:
+                await sender.send(Note(0, sent))
+                sent += 1
+        for seq in range(sent):  # every send that returned is delivered, in order
+            assert (await receiver.receive()).seq == seq
+        await sender.aclose()
+        await receiver.aclose()
+
+
+@pytest.fixture
+def curve_keys(tmp_path):
+    keys = {}
+    for name in ("server", "client", "intruder"):
+        (tmp_path / name).mkdir()
+        keys[name] = zmq.auth.create_certificates(tmp_path / name, name)  # (public, secret)
+    authorized = tmp_path / "server" / "authorized"
+    authorized.mkdir()
+    (authorized / "client.key").write_bytes((tmp_path / "client" / "client.key").read_bytes())
+    return keys, authorized
+
+
+async def _delivered(transport, receiver, address, curve) -> bool:
+    sender = await transport.connect(address, capacity=8, curve=curve)
+    await sender.send(Note(0, 1))
+    with trio.move_on_after(0.5):
+        await receiver.receive()
+        await sender.aclose()
+        return True
+    with trio.move_on_after(0):
+        await sender.aclose()  # never acknowledged: a cancelled close abandons it
+    return False
+
+
+async def test_curve_admits_only_authorized_senders(curve_keys):
+    keys, authorized = curve_keys
+    server = CurveConfig(secret_file=keys["server"][1], authorized_dir=authorized)
+
+    def client(name: str, server_public: str | None = None) -> CurveConfig:
+        return CurveConfig(secret_file=keys[name][1],
+                           server_public_file=server_public or keys["server"][0])
+
+    async with trio.open_nursery() as nursery:
+        transport = ZmqTransport(nursery, "tcp")
+        receiver = await transport.bind(Address.parse("tcp://127.0.0.1:0"), Decoder(Note),
+                                        capacity=8, senders=None, curve=server)
+        address = receiver.address
+        assert await _delivered(transport, receiver, address, client("client"))
+        assert not await _delivered(transport, receiver, address, client("intruder"))
+        wrong_server = client("client", server_public=keys["intruder"][0])
+        assert not await _delivered(transport, receiver, address, wrong_server)
+        assert not await _delivered(transport, receiver, address, None)  # no CURVE at all
+        await transport.aclose()
