@@ -1,0 +1,318 @@
+"""The scheduler's state: waiting queue, running batch, pages, stop checks.
+
+Pure and synchronous: the Scheduler actor feeds it messages and runs the
+model; this module decides what each step computes and what it produced.
+One step reads as: ``batch = state.schedule()``, ``out = runner.step(batch.seqs)``,
+``rows = state.postprocess(batch, out)``.
+
+Memory: a running request holds pages for every token whose K/V is cached.
+Its prefix may be shared, owned by the radix cache and locked while it runs.
+When a decode would not fit, the newest running requests are retracted:
+their tokens go into the prefix cache (evictable), they return to the
+front of the waiting queue with their progress, and resume later, mostly
+from the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.errors import OutOfPages
+from models.runner import SeqInput
+from models.sampling import SamplingParams as ModelSampling
+
+from .messages import FinishReason, GenerateReq, SamplingParams
+from .radix_cache import RadixCache
+
+__all__ = ["Batch", "BatchState", "Limits", "Output", "Req"]
+
+log = logging.getLogger("serving.scheduler")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_running_requests: int = 64
+    max_queued_requests: int = 1024
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    max_context_len: int = 8192
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    worker: int
+    tokens: list[int]  # prompt, then everything generated (prior incarnations included)
+    num_prompt: int
+    num_prior: int  # generated before a resume
+    sampling: SamplingParams
+    params: ModelSampling
+    stream: bool
+    return_logprob: bool
+    top_logprobs_num: int
+    pages: list[int] = field(default_factory=list)
+    num_kv: int = 0  # tokens whose K/V sit in ``pages``
+    handle: Any = None  # the locked radix node of the shared prefix
+    num_shared_pages: int = 0  # the first pages, owned by the prefix cache
+    cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    finished: FinishReason | None = None
+    sent_init: bool = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    def prompt_ids(self) -> list[int]:
+        return self.tokens[: self.num_prompt]
+
+
+@dataclass
+class Batch:
+    reqs: list[Req]
+    seqs: list[SeqInput]
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs)
+
+
+@dataclass
+class Output:
+    """One request's result of a step (or its end without a step)."""
+
+    req: Req
+    new_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def to_model_sampling(s: SamplingParams) -> ModelSampling:
+    return ModelSampling(
+        temperature=s.temperature, top_k=s.top_k if s.top_k > 0 else 0, top_p=s.top_p,
+        min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, seed=s.seed,
+    )
+
+
+class BatchState:
+    def __init__(self, kv: Any, cache: RadixCache | None, eos_token_ids: frozenset[int],
+                 limits: Limits) -> None:
+        self.kv = kv
+        self.cache = cache
+        self.eos_token_ids = eos_token_ids
+        self.limits = limits
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.by_rid: dict[str, Req] = {}
+        self.retracted = 0
+
+    # -- requests in and out ------------------------------------------------------
+
+    def add(self, msg: GenerateReq, *, top_logprobs_cap: int = 20) -> Output | None:
+        """Queue a request; an Output when it ends at once (rejected or nothing to do)."""
+        tokens = [int(t) for t in msg.input_ids]
+        req = Req(
+            msg.rid, msg.worker, tokens, len(tokens) - msg.num_prior_output, msg.num_prior_output,
+            msg.sampling, to_model_sampling(msg.sampling), msg.stream, msg.return_logprob,
+            min(msg.top_logprobs_num, top_logprobs_cap),
+        )
+        if msg.rid in self.by_rid:
+            self.drop(msg.rid)  # a resume replaces what is left of the old incarnation
+        capacity = self.kv.num_pages * self.kv.page_size
+        if not tokens or req.num_prompt <= 0:
+            return self._end_now(req, FinishReason("abort", message="the prompt is empty", status_code=400))
+        limit = min(capacity, self.limits.max_context_len)
+        if len(tokens) + 1 > limit:
+            return self._end_now(req, FinishReason(
+                "abort", status_code=400,
+                message=f"the prompt has {len(tokens)} tokens; this server holds at most {limit - 1}",
+            ))
+        if len(self.waiting) >= self.limits.max_queued_requests:
+            return self._end_now(req, FinishReason(
+                "abort", status_code=503,
+                message=f"server overloaded: {len(self.waiting)} requests already queued",
+            ))
+        if req.num_generated >= msg.sampling.max_new_tokens:
+            return self._end_now(req, FinishReason("length", matched=msg.sampling.max_new_tokens))
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+        return None
+
+    def _end_now(self, req: Req, reason: FinishReason) -> Output:
+        req.finished = reason
+        return Output(req, [], [], [])
+
+    def abort(self, rid: str, reason: FinishReason) -> Output | None:
+        """End a request now; its Output (to tell downstream), or None if unknown."""
+        req = self.by_rid.get(rid)
+        if req is None:
+            return None
+        self.drop(rid)
+        req.finished = reason
+        return Output(req, [], [], [])
+
+    def drop(self, rid: str) -> None:
+        """Forget a request and give back its memory, telling no one."""
+        req = self.by_rid.pop(rid)
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req, keep=False)
+
+    @property
+    def idle(self) -> bool:
+        return not self.by_rid
+
+    # -- one step -------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        self._make_room_for_decodes()
+        budget = self.limits.chunked_prefill_size
+        batch = Batch([], [])
+        for req in list(self.running):
+            remaining = len(req.tokens) - req.num_kv
+            if remaining > 1 and budget <= 0:
+                continue  # its next prefill chunk waits for the next step
+            n = 1 if remaining == 1 else min(remaining, budget)
+            if not self._grow(req, n):
+                continue
+            if remaining > 1:
+                budget -= n
+            self._add_to_batch(batch, req, n)
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
+                break
+            if not self._admit(req, budget):
+                break
+            n = min(len(req.tokens) - req.num_kv, budget)
+            budget -= n
+            self._add_to_batch(batch, req, n)
+        return batch
+
+    def _add_to_batch(self, batch: Batch, req: Req, n: int) -> None:
+        new = req.tokens[req.num_kv : req.num_kv + n]
+        last = req.num_kv + n == len(req.tokens)
+        batch.reqs.append(req)
+        batch.seqs.append(SeqInput(
+            new, req.pages, req.num_kv, last, _with_logprobs(req), req.prompt_ids(), req.output_ids,
+        ))
+
+    def postprocess(self, batch: Batch, sampled: Any) -> list[Output]:
+        outputs = []
+        for i, (req, seq) in enumerate(zip(batch.reqs, batch.seqs)):
+            req.num_kv += len(seq.token_ids)
+            token = sampled.token_ids[i]
+            if token is None or req.finished is not None or req.rid not in self.by_rid:
+                continue  # a prefill chunk, or aborted while the step ran
+            req.tokens.append(token)
+            logprobs = [sampled.logprobs[i]] if req.return_logprob else []
+            top = [sampled.top_logprobs[i] or []] if req.return_logprob and req.top_logprobs_num else []
+            req.finished = self._stop_reason(req, token)
+            if req.finished is not None:
+                del self.by_rid[req.rid]
+                self.running.remove(req)
+                self._release(req, keep=True)
+            outputs.append(Output(req, [token], logprobs, top))
+        return outputs
+
+    def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
+        s = req.sampling
+        if req.num_generated >= s.min_new_tokens:
+            if not s.ignore_eos and token in self.eos_token_ids:
+                return FinishReason("stop", matched=token)
+            if token in s.stop_token_ids:
+                return FinishReason("stop", matched=token)
+        if req.num_generated >= s.max_new_tokens:
+            return FinishReason("length", matched=s.max_new_tokens)
+        if len(req.tokens) >= self.limits.max_context_len:
+            return FinishReason("length", matched=len(req.tokens))
+        return None
+
+    # -- memory ---------------------------------------------------------------------
+
+    def _admission_order(self) -> list[Req]:
+        if self.limits.schedule_policy == "lpm" and self.cache is not None and len(self.waiting) > 1:
+            return sorted(self.waiting, key=lambda r: -self.cache.prefix_len(r.tokens))
+        return list(self.waiting)
+
+    def _admit(self, req: Req, budget: int) -> bool:
+        if self.cache is not None and req.num_kv == 0:
+            match = self.cache.match_prefix(req.tokens)  # leaves one token to compute
+            req.pages, req.num_kv, req.handle = list(match.pages), match.num_tokens, match.handle
+            req.num_shared_pages = len(req.pages)
+            self.cache.lock(req.handle)
+        if req.cached_tokens < 0:
+            req.cached_tokens = req.num_kv
+        n = min(len(req.tokens) - req.num_kv, budget)
+        if not self._grow(req, n):
+            self._release(req, keep=False)
+            return False
+        self.waiting.remove(req)
+        self.running.append(req)
+        return True
+
+    def _grow(self, req: Req, n: int) -> bool:
+        """Pages for ``n`` more tokens of ``req``, evicting cached prefixes if needed."""
+        wanted = self.kv.pages_for(req.num_kv + n) - len(req.pages)
+        if wanted <= 0:
+            return True
+        if wanted > self.kv.num_free and self.cache is not None:
+            self.cache.evict(wanted - self.kv.num_free)
+        try:
+            req.pages.extend(self.kv.allocate(wanted))
+        except OutOfPages:
+            return False
+        return True
+
+    def _make_room_for_decodes(self) -> None:
+        decoding = [r for r in self.running if len(r.tokens) - r.num_kv == 1]
+        while decoding:
+            wanted = sum(max(0, self.kv.pages_for(r.num_kv + 1) - len(r.pages)) for r in decoding)
+            if wanted > self.kv.num_free and self.cache is not None:
+                self.cache.evict(wanted - self.kv.num_free)
+            if wanted <= self.kv.num_free:
+                return
+            victim = self.running[-1]  # the newest
+            if len(self.running) == 1:
+                return  # alone and still too big: _grow fails, it waits (cannot happen: checked at add)
+            self._retract(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+
+    def _retract(self, req: Req) -> None:
+        log.info("retracting %s (%d tokens) under KV pressure", req.rid, len(req.tokens))
+        self.running.remove(req)
+        self._release(req, keep=True)
+        self.waiting.appendleft(req)
+        self.retracted += 1
+
+    def _release(self, req: Req, *, keep: bool) -> None:
+        """Give back a request's pages; with ``keep`` its computed prefix goes to the cache."""
+        pages, num_kv, shared = req.pages, req.num_kv, req.num_shared_pages
+        req.pages, req.num_kv, req.num_shared_pages = [], 0, 0
+        if self.cache is None:
+            to_free = pages
+        elif keep and num_kv:
+            full = num_kv // self.kv.page_size  # the cache takes whole pages, frees duplicates
+            self.cache.insert(req.tokens[: full * self.kv.page_size], pages[:full])
+            to_free = pages[full:]
+        else:
+            to_free = pages[shared:]
+        if req.handle is not None:
+            self.cache.unlock(req.handle)
+            req.handle = None
+        if to_free:
+            self.kv.free(to_free)
+
+
+def _with_logprobs(req: Req) -> ModelSampling:
+    if req.top_logprobs_num and req.params.top_logprobs != req.top_logprobs_num:
+        req.params = ModelSampling(**{**req.params.__dict__, "top_logprobs": req.top_logprobs_num})
+    return req.params

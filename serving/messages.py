@@ -1,0 +1,179 @@
+"""The messages between the three managers: one tagged union per channel.
+
+    TokenizerManager ──SchedulerInbox──► Scheduler ──DetokenizerInbox──► DetokenizerManager
+    DetokenizerManager ──TokenizerInbox──► TokenizerManager
+    DetokenizerManager ──StopStringHit──► Scheduler (a stop string ended a request)
+
+Outputs are deltas: each step sends the new token ids of every request that
+advanced, never the whole sequence. Per-request settings the detokenizer
+needs travel once, in a DecodeInit inside the first output of a request.
+Control requests (flush cache, server info, health) use the runtime's
+``call`` and return plain values.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+__all__ = [
+    "AbortReq",
+    "BatchStrOut",
+    "BatchTokenIDOut",
+    "DecodeInit",
+    "DetokenizerInbox",
+    "FinishReason",
+    "FlushCacheReq",
+    "GenerateReq",
+    "HealthProbe",
+    "SamplingParams",
+    "SchedulerInbox",
+    "ServerInfoReq",
+    "StopStringHit",
+    "TokenizerInbox",
+]
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Per-request sampling, with SGLang's names (``seed`` as vLLM/OpenAI).
+
+    Also the schema of ``sampling_params`` in ``POST /generate``: an unknown or
+    mistyped field is an error that names it.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+    def check(self) -> str | None:
+        """The first problem with these values, named by field, or None."""
+        checks = [
+            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            (0 <= self.min_new_tokens, "min_new_tokens must be >= 0"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (self.n >= 1, "n must be >= 1"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        return next((message for ok, message in checks if not ok), None)
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """Why a request ended: ``stop`` (eos, stop token or string: ``matched``),
+    ``length`` (max_new_tokens) or ``abort`` (``message`` says why)."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+    status_code: int | None = None  # for an abort that is an error: 400 bad input, 503 overload
+
+    def to_json(self) -> dict:
+        return msgspec.to_builtins(self)
+
+
+# -- TokenizerManager → Scheduler -------------------------------------------------
+
+
+class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    rid: str
+    input_ids: np.ndarray  # int32; on a resume: prompt + the ids generated so far
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    worker: int = 0  # the tokenizer worker that owns the request
+    num_prior_output: int = 0  # resume: the last ids of input_ids that were generated
+
+
+class AbortReq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    rid: str
+    message: str = "aborted"
+
+
+class FlushCacheReq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+class ServerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+class HealthProbe(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+class StopStringHit(msgspec.Struct, tag=True, array_like=True, gc=False):
+    rid: str
+    matched: str
+
+
+SchedulerInbox = GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthProbe | StopStringHit
+
+
+# -- Scheduler → DetokenizerManager ----------------------------------------------
+
+
+class DecodeInit(msgspec.Struct, array_like=True, gc=False):
+    """What the detokenizer needs to know of a request, sent with its first output."""
+
+    rid: str
+    worker: int
+    stop: list[str]
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    prior_ids: list[int] = []  # resume: generated ids whose text the client already has
+
+
+class BatchTokenIDOut(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """One scheduler step: the requests that advanced, as parallel columns."""
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    inits: list[DecodeInit] = []
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+
+DetokenizerInbox = BatchTokenIDOut
+
+
+# -- DetokenizerManager → TokenizerManager ---------------------------------------
+
+
+class BatchStrOut(msgspec.Struct, tag=True, array_like=True, gc=False):
+    rids: list[str]
+    texts: list[str]  # text deltas; never a split character
+    new_token_ids: list[list[int]]
+    finished: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+
+TokenizerInbox = BatchStrOut

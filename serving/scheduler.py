@@ -1,0 +1,193 @@
+"""The Scheduler actor: receive, schedule, run one model step, send deltas.
+
+It owns the model runner (weights, KV pool), the prefix cache and the
+waiting/running queues (``BatchState``). Messages are handled between
+steps; the step itself runs in a worker thread under a step watchdog, so
+the actor keeps answering (health, aborts) while the model computes, and a
+step that never returns crashes the actor into a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+import trio
+
+from actors import Actor, ActorChild, Context, StepWatchdog
+from models.runner import ModelRunner
+
+from .batching import BatchState, Limits, Output
+from .messages import (
+    AbortReq,
+    BatchTokenIDOut,
+    DecodeInit,
+    FinishReason,
+    FlushCacheReq,
+    GenerateReq,
+    HealthProbe,
+    SchedulerInbox,
+    ServerInfoReq,
+    StopStringHit,
+)
+from .radix_cache import RadixCache
+
+__all__ = ["Scheduler", "SchedulerConfig", "scheduler_child"]
+
+log = logging.getLogger("serving.scheduler")
+
+
+class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model: str | None = None  # a path; None = the embedded SmolLM2; "tiny" = a tiny random model
+    dtype: str = "bfloat16"
+    page_size: int = 1
+    kv_budget_bytes: int = 256 * 1024 * 1024
+    max_running_requests: int = 64
+    max_queued_requests: int = 1024
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "fcfs"
+    enable_prefix_cache: bool = True
+    step_timeout: float = 120.0
+    detokenizer: str = "inproc://detokenizer"
+
+
+def build_runner(config: SchedulerConfig) -> ModelRunner:
+    import torch
+
+    from models.loading import load_model, tiny_model
+
+    if config.model == "tiny":
+        loaded = tiny_model()
+    else:
+        loaded = load_model(config.model)
+    return ModelRunner(loaded, dtype=getattr(torch, config.dtype), page_size=config.page_size,
+                       kv_budget_bytes=config.kv_budget_bytes)
+
+
+class Scheduler(Actor):
+    inbox = SchedulerInbox
+
+    def __init__(self, config: SchedulerConfig, runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.state: BatchState | None = None
+        self._wakeup = trio.Event()
+        self._pending: list[Output] = []  # ends decided between steps, sent with the next batch
+        self.steps = 0
+        self.started_at = time.time()
+
+    async def on_start(self, ctx: Context) -> None:
+        self.ctx = ctx
+        if self.runner is None:
+            self.runner = await trio.to_thread.run_sync(build_runner, self.config)
+        runner = self.runner
+        cache = RadixCache(runner.kv.free, page_size=runner.kv.page_size) if self.config.enable_prefix_cache else None
+        limits = Limits(
+            self.config.max_running_requests, self.config.max_queued_requests,
+            self.config.chunked_prefill_size, self.config.schedule_policy,
+            int(getattr(runner.config, "max_position_embeddings", 8192)),
+        )
+        self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits)
+        self.watchdog = StepWatchdog("scheduler step", self.config.step_timeout)
+        await ctx.nursery.start(self.watchdog.run)
+        ctx.nursery.start_soon(self._loop)
+
+    # -- messages -------------------------------------------------------------------
+
+    async def handle(self, msg: Any) -> Any:
+        state = self.state
+        assert state is not None
+        match msg:
+            case GenerateReq():
+                self._end(state.add(msg))
+            case AbortReq(rid, message):
+                self._end(state.abort(rid, FinishReason("abort", message=message)))
+            case StopStringHit(rid):
+                if rid in state.by_rid:
+                    state.drop(rid)  # the detokenizer already ended it downstream
+            case FlushCacheReq():
+                if not state.idle:
+                    return False
+                if state.cache is not None:
+                    state.cache.reset()
+                return True
+            case HealthProbe():
+                return True
+            case ServerInfoReq():
+                return self.info()
+        self._wakeup.set()
+        return None
+
+    def _end(self, output: Output | None) -> None:
+        if output is not None:
+            self._pending.append(output)
+            self._wakeup.set()
+
+    def info(self) -> dict[str, Any]:
+        state, kv = self.state, self.runner.kv
+        return {
+            "scheduler": msgspec.to_builtins(self.config),
+            "waiting": len(state.waiting),
+            "running": len(state.running),
+            "kv_pages_total": kv.num_pages,
+            "kv_pages_free": kv.num_free,
+            "kv_page_size": kv.page_size,
+            "cached_pages": state.cache.cached_pages if state.cache is not None else 0,
+            "retracted": state.retracted,
+            "steps": self.steps,
+        }
+
+    # -- the loop -----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        state, runner = self.state, self.runner
+        while True:
+            self._wakeup = trio.Event()  # before scheduling: a message from now on wakes us
+            batch = state.schedule()
+            if not batch:
+                await self._flush([])
+                await self._wakeup.wait()
+                continue
+            with self.watchdog.step():
+                sampled = await trio.to_thread.run_sync(runner.step, batch.seqs, abandon_on_cancel=True)
+            self.steps += 1
+            await self._flush(state.postprocess(batch, sampled))
+
+    async def _flush(self, outputs: list[Output]) -> None:
+        outputs, self._pending = self._pending + outputs, []
+        if outputs:
+            await self.ctx.send(self.config.detokenizer, _batch_out(outputs))
+
+
+def _batch_out(outputs: list[Output]) -> BatchTokenIDOut:
+    inits = []
+    for o in outputs:
+        req = o.req
+        if not req.sent_init:
+            req.sent_init = True
+            s = req.sampling
+            inits.append(DecodeInit(
+                req.rid, req.worker, list(s.stop), s.skip_special_tokens,
+                s.spaces_between_special_tokens, s.no_stop_trim,
+                req.tokens[req.num_prompt : req.num_prompt + req.num_prior],
+            ))
+    with_logprobs = any(o.req.return_logprob for o in outputs)
+    return BatchTokenIDOut(
+        rids=[o.req.rid for o in outputs],
+        new_token_ids=[o.new_ids for o in outputs],
+        finished=[o.req.finished for o in outputs],
+        prompt_tokens=[o.req.num_prompt for o in outputs],
+        completion_tokens=[o.req.num_generated for o in outputs],
+        cached_tokens=[max(o.req.cached_tokens, 0) for o in outputs],
+        inits=inits,
+        logprobs=[o.logprobs for o in outputs] if with_logprobs else None,
+        top_logprobs=[o.top_logprobs for o in outputs] if with_logprobs else None,
+    )
+
+
+def scheduler_child(hub: Any, *, address: str, config: dict[str, Any]) -> ActorChild:
+    """The scheduler as a supervisor child (used in a child process)."""
+    parsed = msgspec.convert(config, SchedulerConfig)
+    return ActorChild(lambda: Scheduler(parsed), address, hub)
