@@ -25,7 +25,7 @@ import zmq
 from .base import Address, DropCounter, Receiver
 from .codec import CodecError, Decoder
 from ._zmqsender import YIELD_EVERY
-from ._zmqsocket import close_socket, is_closed_error, recv_parts, wait_until
+from ._zmqsocket import close_socket, is_closed_error, recv_parts, wait_to_retry
 
 __all__ = ["DRAIN_BATCH", "ZmqReceiver"]
 
@@ -121,11 +121,11 @@ class ZmqReceiver(Receiver[Any]):
                 self._forget(self)
 
     async def _pump(self) -> None:
-        sock, put = self._sock, self._to_user
+        sock, fd, put = self._sock, self._fd, self._to_user
         while True:
             for _ in range(DRAIN_BATCH):
                 try:
-                    peer = sock.recv(_NOBLOCK)
+                    peer = sock.recv(_NOBLOCK)  # FACTS item 1: try before waiting
                 except zmq.Again:
                     break
                 parts = recv_parts(sock)  # the rest of a message is always there
@@ -142,7 +142,7 @@ class ZmqReceiver(Receiver[Any]):
                 # just taken is never lost to a cancel here (FACTS item 6)
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 continue
-            await wait_until(sock, self._fd, zmq.POLLIN)
+            await wait_to_retry(sock, fd, zmq.POLLIN)
 
     def _acknowledge(self, peer: bytes) -> None:
         # ROUTER drops a message to a peer that has gone: nothing to wait for

@@ -25,7 +25,7 @@ import zmq
 
 from .base import Address, Frames, Sender
 from .codec import Encoder
-from ._zmqsocket import close_socket, is_closed_error, send_parts, wait_until
+from ._zmqsocket import close_socket, is_closed_error, send_parts, wait_to_retry
 
 __all__ = ["END_OF_STREAM", "YIELD_EVERY", "ZmqSender"]
 
@@ -148,7 +148,7 @@ class ZmqSender(Sender):
                 send_parts(self._sock, frames)
                 return
             except zmq.Again:
-                await wait_until(self._sock, self._fd, zmq.POLLOUT)
+                await wait_to_retry(self._sock, self._fd, zmq.POLLOUT)
 
     async def _wait_acknowledged(self) -> None:
         while True:
@@ -156,4 +156,4 @@ class ZmqSender(Sender):
                 self._sock.recv(zmq.NOBLOCK)
                 return
             except zmq.Again:
-                await wait_until(self._sock, self._fd, zmq.POLLIN)
+                await wait_to_retry(self._sock, self._fd, zmq.POLLIN)

@@ -5,7 +5,7 @@ FD is edge-triggered: it says "the socket's state may have changed", and
 reading ``EVENTS`` consumes the edge. The rules kept here:
 
 1. always try a ``NOBLOCK`` operation first and sleep only on ``zmq.Again``;
-2. re-read ``EVENTS`` before every sleep on the FD (:func:`wait_until`);
+2. re-read ``EVENTS`` before every sleep on the FD (:func:`wait_to_retry`);
 3. one task owns a socket and is the only one ever waiting on its FD;
 4. ``notify_closing`` before ``close`` (:func:`close_socket`);
 5. a send with no peer raises ``zmq.Again``: wait for ``POLLOUT``.
@@ -33,7 +33,7 @@ __all__ = [
     "os_error",
     "recv_parts",
     "send_parts",
-    "wait_until",
+    "wait_to_retry",
 ]
 
 RECONNECT_IVL_MS = 10  # a restarted receiver is found again within ~10 ms
@@ -45,13 +45,16 @@ _CLOSED_ERRNOS = {zmq.ETERM, zmq.ENOTSOCK, errno.EBADF}
 _ADDRESS_ERRNOS = {errno.EINVAL, errno.EPROTONOSUPPORT, errno.ENODEV}
 
 
-async def wait_until(sock: zmq.Socket, fd: int, event: int) -> None:
-    """Return once ``sock`` can do ``event`` (``zmq.POLLIN`` or ``zmq.POLLOUT``).
+async def wait_to_retry(sock: zmq.Socket, fd: int, event: int) -> None:
+    """After an operation raised ``zmq.Again``: return when it is worth retrying.
 
-    Only the socket's owning task may call this (two waiters on one FD raise
-    ``trio.BusyResourceError``).
+    ``EVENTS`` is read before sleeping (it consumes the FD's edge, and the
+    socket may have become ready meanwhile); after a wake-up the caller
+    retries the operation at once and comes back here if it fails again.
+    ``event`` is ``zmq.POLLIN`` or ``zmq.POLLOUT``. Only the socket's owning
+    task may call this (two waiters on one FD raise ``trio.BusyResourceError``).
     """
-    while not (sock.getsockopt(zmq.EVENTS) & event):
+    if not (sock.getsockopt(zmq.EVENTS) & event):
         await trio.lowlevel.wait_readable(fd)
 
 
