@@ -23,28 +23,34 @@ from typing import Any
 import msgspec
 import trio
 
-from actors import ActorChild, ChildSpec, Strategy, Supervisor, SupervisorEvent
-from actors.process import ProcessChild
-from transports import Hub, open_hub
+from actors import Supervisor, SupervisorEvent
+from transports import open_hub
 
-from .detokenizer import DetokenizerManager
 from .messages import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
 from .tokenizer_manager import Chunk, GenerateInput, TokenizerManager, fold
+from .topology import (
+    ActorsSection,
+    ModelSection,
+    Placement,
+    SchedulerSection,
+    Topology,
+    build_children,
+    make_supervisor,
+    tokenizer_source,
+)
 
-__all__ = ["AsyncEngine", "Engine", "open_engine"]
+__all__ = ["AsyncEngine", "Engine", "open_engine", "open_runtime", "topology_for"]
 
 log = logging.getLogger("serving.engine")
 
 
-def _tokenizer_source(model: str | None) -> str | None:
-    return None if model in (None, "tiny") else model
-
-
 class AsyncEngine:
-    def __init__(self, supervisor: Supervisor, addresses: dict[str, str]) -> None:
+    def __init__(self, supervisor: Supervisor, addresses: dict[str, str], topology: Topology,
+                 tokenizer: Any) -> None:
         self.supervisor = supervisor
         self.addresses = addresses
+        self.topology = topology
+        self.tokenizer = tokenizer
 
     @property
     def tokenizer_manager(self) -> TokenizerManager:
@@ -72,63 +78,61 @@ class AsyncEngine:
         return [fold(chunks[i]) for i in sorted(chunks)]
 
 
-def _specs(hub: Hub, model: str | None, processes: bool, runtime_dir: Path,
-           scheduler_config: SchedulerConfig, tokenizer: Any) -> tuple[list[ChildSpec], dict[str, str]]:
-    if processes:
-        addresses = {name: f"ipc://{runtime_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer-0")}
-    else:
-        addresses = {name: f"inproc://{name}" for name in ("scheduler", "detokenizer", "tokenizer-0")}
-    config = msgspec.structs.replace(scheduler_config, detokenizer=addresses["detokenizer"])
-    detok_args = {"address": addresses["detokenizer"], "tokenizer": _tokenizer_source(model),
-                  "workers": [addresses["tokenizer-0"]], "scheduler": addresses["scheduler"]}
-    if processes:
-        scheduler = lambda: ProcessChild(  # noqa: E731
-            "serving.scheduler:scheduler_child",
-            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config)}, name="scheduler")
-        detokenizer = lambda: ProcessChild(  # noqa: E731
-            "serving.detokenizer:detokenizer_child", detok_args, name="detokenizer")
-    else:
-        scheduler = lambda: ActorChild(lambda: Scheduler(config), addresses["scheduler"], hub)  # noqa: E731
-        detokenizer = lambda: ActorChild(  # noqa: E731
-            lambda: DetokenizerManager(tokenizer, [addresses["tokenizer-0"]], addresses["scheduler"]),
-            addresses["detokenizer"], hub)
-    tokenizer_manager = lambda: ActorChild(  # noqa: E731
-        lambda: TokenizerManager(tokenizer, scheduler=addresses["scheduler"]), addresses["tokenizer-0"], hub)
-    specs = [
-        ChildSpec("scheduler", scheduler, shutdown=10.0),
-        ChildSpec("detokenizer", detokenizer),
-        ChildSpec("tokenizer", tokenizer_manager),
-    ]
-    return specs, addresses
+def topology_for(model: str | None, *, processes: bool = False, **scheduler_options: Any) -> Topology:
+    """A topology from keyword options: one process (inproc), or three (ipc)."""
+    where = "child" if processes else "main"
+    scheme = "ipc://{runtime_dir}/" if processes else "inproc://"
+    kv = scheduler_options.pop("kv_budget_bytes", None)
+    dtype = scheduler_options.pop("dtype", "bfloat16")
+    scheduler = msgspec.convert(scheduler_options, SchedulerSection)
+    if kv is not None:
+        scheduler = msgspec.structs.replace(scheduler, kv_budget=kv)
+    actors = ActorsSection(
+        Placement(scheme + "scheduler", where), Placement(scheme + "detokenizer", where),
+        Placement(scheme + "tokenizer", "main"),
+    )
+    return Topology(model=ModelSection(path=model, dtype=dtype), scheduler=scheduler, actors=actors)
 
 
 @asynccontextmanager
-async def open_engine(model: str | None = None, *, processes: bool = False,
-                      **scheduler_options: Any) -> AsyncIterator[AsyncEngine]:
-    """Start a topology: model None = the embedded SmolLM2, "tiny" = a tiny random model."""
+async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
+    """Start the three managers of ``topology`` under a supervisor; stop them after."""
     from models.loading import load_tokenizer
 
-    config = msgspec.convert({"model": model, **scheduler_options}, SchedulerConfig)
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, _tokenizer_source(model))
+    topology.check()
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_source(topology.model))
+
+    def make_tokenizer_manager(addresses: dict[str, str]) -> Any:
+        return lambda: TokenizerManager(tokenizer, scheduler=addresses["scheduler"],
+                                        watchdog_timeout=topology.watchdogs.output_timeout)
+
     with tempfile.TemporaryDirectory(prefix="tercet-") as runtime_dir:
         async with open_hub() as hub, trio.open_nursery() as nursery:
             engine: AsyncEngine | None = None
 
             def on_event(event: SupervisorEvent) -> None:
                 # a restarted scheduler or detokenizer lost the requests in flight: resume them
-                if event.kind == "started" and event.child in ("scheduler", "detokenizer") and engine is not None \
-                        and engine.supervisor.restarts.get(event.child):
+                if event.kind == "started" and event.child in ("scheduler", "detokenizer") \
+                        and engine is not None and engine.supervisor.restarts.get(event.child):
                     nursery.start_soon(engine.tokenizer_manager.resubmit_in_flight)
 
-            specs, addresses = _specs(hub, model, processes, Path(runtime_dir), config, tokenizer)
-            supervisor = Supervisor("engine", specs, strategy=Strategy.ONE_FOR_ONE, observer=on_event)
+            specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), make_tokenizer_manager)
+            supervisor = make_supervisor(topology, specs, on_event)
             await nursery.start(supervisor.run)
-            engine = AsyncEngine(supervisor, addresses)
+            engine = AsyncEngine(supervisor, addresses, topology, tokenizer)
             try:
                 yield engine
             finally:
                 await supervisor.stop()
                 nursery.cancel_scope.deadline = trio.current_time() + 30.0
+
+
+@asynccontextmanager
+async def open_engine(model: str | None = None, *, processes: bool = False,
+                      **scheduler_options: Any) -> AsyncIterator[AsyncEngine]:
+    """Start a topology: model None = the embedded SmolLM2, "tiny" = a tiny random model."""
+    async with open_runtime(topology_for(model, processes=processes, **scheduler_options)) as engine:
+        yield engine
 
 
 class Engine:
