@@ -123,11 +123,13 @@ class ZmqReceiver(Receiver[Any]):
     async def _pump(self) -> None:
         sock, fd, put = self._sock, self._fd, self._to_user
         while True:
-            for _ in range(DRAIN_BATCH):
+            taken = 0
+            while taken < DRAIN_BATCH:
                 try:
                     peer = sock.recv(_NOBLOCK)  # FACTS item 1: try before waiting
                 except zmq.Again:
                     break
+                taken += 1
                 parts = recv_parts(sock)  # the rest of a message is always there
                 if len(parts) == 1 and not len(parts[0]):
                     await put.send(_END)
@@ -137,12 +139,13 @@ class ZmqReceiver(Receiver[Any]):
                     put.send_nowait(parts)
                 except trio.WouldBlock:
                     await put.send(parts)  # full: stop reading, let the HWM push back
-            else:
-                # a full batch: let other tasks run; shielded, so a message
-                # just taken is never lost to a cancel here (FACTS item 6)
+            if taken:
+                # Let the receiving task handle what was taken before we look
+                # again (and let others run). Shielded: a message just taken is
+                # never lost to a cancel here (FACTS item 6).
                 await trio.lowlevel.cancel_shielded_checkpoint()
-                continue
-            await wait_to_retry(sock, fd, zmq.POLLIN)
+            else:
+                await wait_to_retry(sock, fd, zmq.POLLIN)
 
     def _acknowledge(self, peer: bytes) -> None:
         # ROUTER drops a message to a peer that has gone: nothing to wait for

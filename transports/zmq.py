@@ -12,8 +12,9 @@ ever waits on the socket's edge-triggered FD. See ``_zmqsocket`` for the
 pitfalls handled, ``_zmqsender`` and ``_zmqreceiver`` for the two ends.
 
 Backpressure: a receiver's ``capacity`` sizes its channel and its receive
-high-water mark, a sender's ``capacity`` its queue and send high-water mark;
-when all are full, ``send`` blocks. Nothing is dropped on the way.
+high-water mark, a sender's ``capacity`` its queue and send high-water mark
+(high-water marks are at least ``MIN_HWM``); when all are full, ``send``
+blocks. Nothing is dropped on the way.
 
 Addresses: tcp binds exactly the host given: ``tcp://127.0.0.1:PORT`` is
 loopback only, ``tcp://*:PORT`` listens on every interface (the config
@@ -43,6 +44,10 @@ from ._zmqsocket import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, os_error
 
 __all__ = ["CurveConfig", "ZmqTransport"]
 
+# libzmq hands a reader's progress to the writer every HWM/2 messages: with a
+# tiny HWM that is a wake-up per message or two (4x slower at capacity 4), so
+# the wire queues hold at least this many; the trio channels keep `capacity`.
+MIN_HWM = 64
 REBIND_PATIENCE_S = 1.0  # how long a port freed by this process may take to be free
 
 
@@ -67,7 +72,7 @@ class ZmqTransport:
             raise OSError(errno.EADDRINUSE, f"{address} is already bound")
         sock = self._socket(zmq.ROUTER)
         try:
-            sock.setsockopt(zmq.RCVHWM, max(capacity, 1))
+            sock.setsockopt(zmq.RCVHWM, max(capacity, MIN_HWM))
             if curve or self._curve:
                 self._guard.secure_receiver(sock, curve or self._curve)
             await _bind(sock, address)
@@ -86,7 +91,7 @@ class ZmqTransport:
         self._check_open()
         sock = self._socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.SNDHWM, max(capacity, 1))
+            sock.setsockopt(zmq.SNDHWM, max(capacity, MIN_HWM))
             if curve or self._curve:
                 self._guard.secure_sender(sock, curve or self._curve)
             try:
