@@ -31,6 +31,7 @@ __all__ = [
     "ServerInfoReq",
     "StopStringHit",
     "TokenizerInbox",
+    "UpdateWeightsReq",
 ]
 
 
@@ -121,12 +122,20 @@ class HealthProbe(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
 
 
+class UpdateWeightsReq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Load new weights of the same architecture (only sent when no request runs)."""
+
+    model_path: str
+
+
 class StopStringHit(msgspec.Struct, tag=True, array_like=True, gc=False):
     rid: str
     matched: str
 
 
-SchedulerInbox = GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthProbe | StopStringHit
+SchedulerInbox = (
+    GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthProbe | StopStringHit | UpdateWeightsReq
+)
 
 
 # -- Scheduler → DetokenizerManager ----------------------------------------------

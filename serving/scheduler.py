@@ -31,6 +31,7 @@ from .messages import (
     SchedulerInbox,
     ServerInfoReq,
     StopStringHit,
+    UpdateWeightsReq,
 )
 from .radix_cache import RadixCache
 
@@ -117,8 +118,36 @@ class Scheduler(Actor):
                 return True
             case ServerInfoReq():
                 return self.info()
+            case UpdateWeightsReq(path):
+                return await self._update_weights(path)
         self._wakeup.set()
         return None
+
+    async def _update_weights(self, path: str) -> dict[str, Any]:
+        """New weights of the same shape; only between requests (the HTTP layer drains first)."""
+        from models.errors import ModelLoadError
+        from models.layers import CausalLM
+        from models.loading import load_model
+
+        if not self.state.idle:
+            return {"success": False, "message": "requests are in flight; drain them first"}
+        try:
+            loaded = await trio.to_thread.run_sync(load_model, path)
+        except ModelLoadError as exc:
+            return {"success": False, "message": str(exc)}
+        runner = self.runner
+        old, new = runner.config, loaded.config
+        for field in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "vocab_size"):
+            if getattr(old, field, None) != getattr(new, field, None):
+                return {"success": False, "message": f"{path}: {field} is {getattr(new, field, None)}, "
+                        f"the running model has {getattr(old, field, None)}"}
+        runner.model = await trio.to_thread.run_sync(
+            lambda: CausalLM(new, loaded.state_dict, runner.kv.k.dtype, runner.device))
+        if self.state.cache is not None:
+            self.state.cache.reset()  # cached K/V came from the old weights
+        log.info("weights updated from %s", path)
+        return {"success": True, "message": f"weights loaded from {path}"}
 
     def _end(self, output: Output | None) -> None:
         if output is not None:

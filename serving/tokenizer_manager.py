@@ -50,7 +50,7 @@ class GenerateInput(msgspec.Struct, forbid_unknown_fields=True):
     """One generation request, SGLang's GenerateReqInput shape: single or batch."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: str | list[str] | None = None
@@ -197,6 +197,8 @@ class TokenizerManager(Actor):
             return [self.tokenize(t) for t in texts]
         ids = obj.input_ids
         batch = ids if ids and isinstance(ids[0], list) else [ids]
+        if any(not isinstance(p, list) for p in batch) or any(isinstance(t, list) for p in batch for t in p):
+            raise InvalidRequest("input_ids: give a list of token ids, or a list of such lists")
         vocab = len(self.tokenizer)
         for prompt in batch:
             if not prompt:
@@ -275,6 +277,7 @@ def fold(chunks: Sequence[Chunk]) -> dict[str, Any]:
     """A non-streaming result from one sub-request's chunks."""
     last = chunks[-1]
     return {
+        "rid": last.rid,
         "text": "".join(c.text for c in chunks),
         "output_ids": [t for c in chunks for t in c.token_ids],
         "finished": last.finished,

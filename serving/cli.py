@@ -1,0 +1,110 @@
+"""``tercet serve``: start a topology and its HTTP server.
+
+Flags override the topology file; their names follow SGLang and vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import trio
+
+from .topology import Topology, TopologyError, load_topology
+
+__all__ = ["main", "serve"]
+
+log = logging.getLogger("serving.cli")
+
+# flag → dotted topology field
+OVERRIDES = {
+    "model": "model.path",
+    "tokenizer": "model.tokenizer",
+    "dtype": "model.dtype",
+    "served_model_name": "model.served_model_name",
+    "host": "server.host",
+    "port": "server.port",
+    "api_key": "server.api_key",
+    "tokenizer_worker_num": "server.workers",
+    "max_running_requests": "scheduler.max_running_requests",
+    "max_queued_requests": "scheduler.max_queued_requests",
+    "chunked_prefill_size": "scheduler.chunked_prefill_size",
+    "kv_budget": "scheduler.kv_budget",
+    "page_size": "scheduler.page_size",
+    "schedule_policy": "scheduler.schedule_policy",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tercet", description="tercet: an LLM server on a trio actor runtime")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang's /generate)")
+    serve_p.add_argument("--config", help="a topology YAML file, or the name of one in configs/ (default: default)")
+    serve_p.add_argument("--model", "--model-path", dest="model",
+                         help="a local HF directory or GGUF file (default: the embedded SmolLM2)")
+    serve_p.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer")
+    serve_p.add_argument("--served-model-name")
+    serve_p.add_argument("--host")
+    serve_p.add_argument("--port", type=int)
+    serve_p.add_argument("--api-key")
+    serve_p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    serve_p.add_argument("--max-running-requests", type=int)
+    serve_p.add_argument("--max-queued-requests", type=int)
+    serve_p.add_argument("--chunked-prefill-size", type=int)
+    serve_p.add_argument("--kv-budget", help="KV cache memory, e.g. 512MiB")
+    serve_p.add_argument("--page-size", type=int)
+    serve_p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
+    serve_p.add_argument("--tokenizer-worker-num", type=int)
+    serve_p.add_argument("--log-level", default="info")
+    return p
+
+
+def topology_from(args: argparse.Namespace) -> Topology:
+    overrides: dict[str, Any] = {}
+    for flag, dotted in OVERRIDES.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[dotted] = value
+    return load_topology(args.config, overrides)
+
+
+async def serve(topology: Topology) -> None:
+    """Serve until cancelled (Ctrl-C) or until the runtime fails for good."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from .http_server import build_app
+
+    config = Config()
+    config.bind = [f"{topology.server.host}:{topology.server.port}"]
+    config.accesslog = None
+    config.graceful_timeout = 5.0
+    app = build_app(topology)
+    await hypercorn_serve(app, config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        topology = topology_from(args)
+    except TopologyError as exc:
+        print(f"tercet: {exc}", file=sys.stderr)
+        return 2
+    log.info("serving on http://%s:%d with actors %s", topology.server.host, topology.server.port,
+             ", ".join(f"{name}@{getattr(topology.actors, name).address} ({getattr(topology.actors, name).process})"
+                       for name in ("scheduler", "detokenizer", "tokenizer")))
+    try:
+        trio.run(serve, topology)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - a failed runtime: say why, exit non-zero
+        log.critical("the server failed: %r", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

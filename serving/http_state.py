@@ -1,0 +1,165 @@
+"""What the HTTP routes share: the engine, pause and weight-update gates, metrics."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from actors import CallError
+
+from .engine import AsyncEngine
+from .messages import HealthProbe, ServerInfoReq, UpdateWeightsReq
+from .tokenizer_manager import Chunk
+from .topology import Topology
+
+__all__ = ["Metrics", "ServerState"]
+
+
+class NotFound(Exception):
+    pass
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry: no global state)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("tercet_requests", "Generation requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("tercet_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("tercet_generation_tokens", "Tokens generated", registry=r)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("tercet_time_to_first_token_seconds", "Time to first token", buckets=buckets,
+                              registry=r)
+        self.itl = Histogram("tercet_inter_token_latency_seconds", "Time between tokens", buckets=buckets,
+                             registry=r)
+        self.e2e = Histogram("tercet_e2e_request_latency_seconds", "Request latency", buckets=buckets, registry=r)
+        self.waiting = Gauge("tercet_num_queue_reqs", "Requests waiting in the scheduler", registry=r)
+        self.running = Gauge("tercet_num_running_reqs", "Requests running in the scheduler", registry=r)
+        self.kv_usage = Gauge("tercet_kv_cache_usage", "Fraction of KV pages in use or cached", registry=r)
+        self.restarts = Gauge("tercet_restarts", "Restarts of an actor by its supervisor", ["actor"], registry=r)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    async def render(self, state: ServerState) -> bytes:
+        try:
+            info = await state.call(ServerInfoReq(), timeout=2.0)
+        except CallError:
+            info = None
+        if info is not None:
+            self.waiting.set(info["waiting"])
+            self.running.set(info["running"])
+            total = info["kv_pages_total"] or 1
+            self.kv_usage.set(1 - info["kv_pages_free"] / total)
+        for actor, count in state.engine.supervisor.restarts.items():
+            self.restarts.labels(actor).set(count)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: dict[int, float] = {}
+
+    def chunk(self, chunk: Chunk) -> None:
+        now = time.monotonic()
+        if chunk.token_ids:
+            previous = self.last.get(chunk.index)
+            if previous is None:
+                self.metrics.ttft.observe(now - self.start)
+            else:
+                self.metrics.itl.observe((now - previous) / len(chunk.token_ids))
+            self.last[chunk.index] = now
+            self.metrics.generation_tokens.inc(len(chunk.token_ids))
+        if chunk.finished is not None:
+            self.metrics.requests.labels(chunk.finished.type).inc()
+            self.metrics.prompt_tokens.inc(chunk.prompt_tokens)
+            self.metrics.e2e.observe(now - self.start)
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, topology: Topology) -> None:
+        self.engine = engine
+        self.topology = topology
+        self.metrics = Metrics()
+        self.started_at = time.time()
+        path = topology.model.path
+        self.model_name = topology.model.served_model_name or (
+            "SmolLM2-135M-Instruct" if path is None else Path(path).name.removesuffix(".gguf")
+        )
+        self.max_model_len = 8192
+        self._unpaused = trio.Event()
+        self._unpaused.set()
+        self._readers = 0
+        self._no_readers = trio.Event()
+        self._no_readers.set()
+        self._writer = trio.Lock()
+        self._writing = False
+        self._writer_done = trio.Event()
+        self._writer_done.set()
+
+    # -- gates: pause, and the reader/writer lock around weight updates ----------
+
+    async def admit(self) -> None:
+        """Wait while paused or while weights are being replaced; then count as a reader."""
+        while not self._unpaused.is_set() or self._writing:
+            await self._unpaused.wait()
+            await self._writer_done.wait()
+        self._readers += 1
+        self._no_readers = trio.Event()
+
+    def read_unlock(self) -> None:
+        self._readers -= 1
+        if self._readers == 0:
+            self._no_readers.set()
+
+    def pause(self) -> None:
+        if self._unpaused.is_set():
+            self._unpaused = trio.Event()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    async def update_weights(self, path: str) -> tuple[bool, str]:
+        if not os.path.exists(path):
+            return False, f"model_path: {path} does not exist"
+        async with self._writer:
+            self._writing = True
+            self._writer_done = trio.Event()
+            try:
+                await self._no_readers.wait()  # requests in flight finish on the old weights
+                result = await self.call(UpdateWeightsReq(path), timeout=600.0)
+            finally:
+                self._writing = False
+                self._writer_done.set()
+        return result["success"], result["message"]
+
+    # -- helpers --------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        from .http_server import BadRequest
+
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {model!r} not found; this server serves {self.model_name!r}", "model",
+                             status=404)
+
+    async def call(self, msg: Any, *, timeout: float = 10.0) -> Any:
+        return await self.engine.tokenizer_manager.call_scheduler(msg, timeout=timeout)
+
+    async def health_problem(self) -> str | None:
+        """None when the scheduler really answers, else why not."""
+        supervisor = self.engine.supervisor
+        if "scheduler" not in supervisor.running():
+            return "scheduler restarting"
+        try:
+            await self.call(HealthProbe(), timeout=5.0)
+        except CallError as exc:
+            return f"scheduler does not answer: {exc}"
+        return None

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible protocol: requests in, responses and stream chunks out.
+
+Requests are msgspec structs; a wrong type is a 400 naming the field
+(``param``). Unknown fields are ignored, as OpenAI clients send extras.
+SGLang/vLLM extensions (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, skip_special_tokens, no_stop_trim) are accepted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from .messages import FinishReason, SamplingParams
+from .tokenizer_manager import Chunk, GenerateInput, InvalidRequest
+
+__all__ = [
+    "ChatRequest",
+    "CompletionRequest",
+    "chat_input",
+    "completion_input",
+    "finish_reason",
+]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions, as SGLang and vLLM accept them
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
+
+    def sampling(self, max_new_tokens: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias: not supported")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else 16,
+            min_new_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            no_stop_trim=self.no_stop_trim, n=self.n,
+        )
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str | int | list[int]] = ""  # text, texts, token ids, or lists of them
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def completion_input(req: CompletionRequest) -> GenerateInput:
+    if req.echo:
+        raise InvalidRequest("echo: not supported")
+    if req.suffix:
+        raise InvalidRequest("suffix: not supported")
+    prompt = req.prompt
+    if prompt == "" or prompt == []:
+        raise InvalidRequest("prompt: must not be empty")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise InvalidRequest("logprobs: must be in 0..20")
+    sampling = req.sampling(req.max_tokens)
+    common = dict(sampling_params=sampling, stream=req.stream, rid=req.rid,
+                  return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0)
+    if isinstance(prompt, str):
+        return GenerateInput(text=prompt, **common)
+    kinds = {type(p) for p in prompt}
+    if len(kinds) != 1:
+        raise InvalidRequest("prompt: mixes texts, token ids and lists of token ids")
+    if kinds == {str}:
+        return GenerateInput(text=prompt, **common)
+    return GenerateInput(input_ids=prompt, **common)
+
+
+def chat_input(req: ChatRequest) -> GenerateInput:
+    if not req.messages:
+        raise InvalidRequest("messages: must not be empty")
+    messages = []
+    for i, message in enumerate(req.messages):
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}].role: missing or not a string")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
+            content = "".join(texts)
+        if content is not None and not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content: must be a string or a list of text parts")
+        messages.append({**message, "content": content or ""})
+    if not 0 <= req.top_logprobs <= 20:
+        raise InvalidRequest("top_logprobs: must be in 0..20")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return GenerateInput(
+        messages=messages, sampling_params=req.sampling(max_tokens), stream=req.stream, rid=req.rid,
+        return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs if req.logprobs else 0,
+    )
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.type
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Responder:
+    """Builds one request's responses (whole or streamed) in the OpenAI shapes."""
+
+    def __init__(self, kind: str, model: str, tokenizer: Any, num_choices: int, n: int = 1) -> None:
+        self.kind = kind  # "completion" | "chat"
+        self.n = n
+        self.model = model
+        self.tokenizer = tokenizer
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = int(time.time())
+        self.prompt_tokens = [0] * num_choices
+        self.completion_tokens = [0] * num_choices
+        self.cached_tokens = [0] * num_choices
+        self.sent_role = [False] * num_choices
+
+    def _count(self, chunk: Chunk) -> None:
+        self.prompt_tokens[chunk.index] = chunk.prompt_tokens
+        self.completion_tokens[chunk.index] = chunk.completion_tokens
+        self.cached_tokens[chunk.index] = chunk.cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        # the n samples of a prompt share it: count each prompt once, as OpenAI does
+        return usage(sum(self.prompt_tokens[:: self.n]), sum(self.completion_tokens), sum(self.cached_tokens[:: self.n]))
+
+    def _logprobs(self, chunk_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> Any:
+        if not logprobs:
+            return None
+        tokens = [self.tokenizer.decode([t]) for t in chunk_ids]
+        if self.kind == "chat":
+            content = []
+            for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+                alternatives = top[i] if i < len(top) else []
+                content.append({
+                    "token": token, "logprob": lp, "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": self.tokenizer.decode([t]), "logprob": v, "bytes": list(self.tokenizer.decode([t]).encode())}
+                        for t, v in alternatives
+                    ],
+                })
+            return {"content": content}
+        return {
+            "tokens": tokens, "token_logprobs": logprobs,
+            "top_logprobs": [{self.tokenizer.decode([t]): v for t, v in (top[i] if i < len(top) else [])}
+                             for i in range(len(tokens))],
+            "text_offset": [],
+        }
+
+    def stream_chunk(self, chunk: Chunk) -> dict[str, Any] | None:
+        self._count(chunk)
+        choice: dict[str, Any] = {"index": chunk.index,
+                                  "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs),
+                                  "finish_reason": finish_reason(chunk.finished)}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if not self.sent_role[chunk.index]:
+                self.sent_role[chunk.index] = True
+                delta["role"] = "assistant"
+            if chunk.text or not delta:
+                delta["content"] = chunk.text
+            choice["delta"] = delta
+            obj = "chat.completion.chunk"
+        else:
+            choice["text"] = chunk.text
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage()}
+
+    def whole(self, folded: list[dict[str, Any]]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(folded):
+            self.prompt_tokens[index] = result["prompt_tokens"]
+            self.completion_tokens[index] = result["completion_tokens"]
+            self.cached_tokens[index] = result["cached_tokens"]
+            logprobs = self._logprobs(result["output_ids"], result["logprobs"], result["top_logprobs"])
+            if self.kind == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": result["text"]},
+                                "logprobs": logprobs, "finish_reason": finish_reason(result["finished"])})
+            else:
+                choices.append({"index": index, "text": result["text"], "logprobs": logprobs,
+                                "finish_reason": finish_reason(result["finished"])})
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
