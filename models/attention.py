@@ -59,8 +59,9 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_s
 
 
 def gathered_decode_attention(q, k_cache, v_cache, rows, valid, scale):
-    keys = k_cache[rows].transpose(1, 2)  # [B, kv_heads, L, d]
-    values = v_cache[rows].transpose(1, 2)
+    flat = rows.reshape(-1)  # index_select copies whole rows: far faster than k_cache[rows]
+    keys = k_cache.index_select(0, flat).view(*rows.shape, *k_cache.shape[1:]).transpose(1, 2)
+    values = v_cache.index_select(0, flat).view(*rows.shape, *v_cache.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], keys, values, attn_mask=valid, scale=scale, enable_gqa=True
     )
@@ -75,8 +76,8 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale):
             is_causal=True, scale=scale, enable_gqa=True,
         )
     else:
-        keys = k_cache[chunk.context_slots].transpose(0, 1)[None]
-        values = v_cache[chunk.context_slots].transpose(0, 1)[None]
+        keys = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)[None]
+        values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys, values, attn_mask=chunk.mask, scale=scale,
             enable_gqa=True,

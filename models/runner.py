@@ -48,12 +48,14 @@ class ModelRunner:
         self,
         model: LoadedModel,
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         page_size: int = 1,
         kv_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         self.device = torch.device(device)
+        dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.dtype = dtype
         self.tokenizer = model.tokenizer
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
@@ -144,6 +146,22 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(pos, dtype=torch.long, device=dev), plan, last_rows
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware multiplies bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else fp32.
+
+    On an AVX2-only CPU a bf16 matmul is emulated and runs 4-5x slower than
+    fp32 at batch 64 (measured: 2.2 s vs 0.47 s per SmolLM2 decode step).
+    """
+    if device.type != "cpu":
+        return torch.bfloat16
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
 
 
 def generate(

@@ -86,7 +86,8 @@ def sample(
     before it), which with the row's seed fixes its randomness.
     """
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)  # reported: the model's own distribution
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # logprobs: the model's own distribution
+    raw = logits
     if any(p.has_penalties for p in params):
         logits = _apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     chosen = logits.argmax(dim=-1)
@@ -94,11 +95,12 @@ def sample(
     if rows:
         index = torch.tensor(rows, device=logits.device)
         chosen[index] = _draw(logits[index], [params[i] for i in rows], [positions[i] for i in rows])
-    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+    chosen_logprobs = (raw.gather(1, chosen[:, None]) - log_total)[:, 0]
     n_top = max(p.top_logprobs for p in params)
     top = [[] for _ in params]
     if n_top:
-        values, ids = logprobs.topk(n_top, dim=-1)
+        values, ids = raw.topk(n_top, dim=-1)
+        values = values - log_total
         for i, p in enumerate(params):
             top[i] = list(zip(ids[i, : p.top_logprobs].tolist(), values[i, : p.top_logprobs].tolist()))
     return Sampled(chosen.tolist(), chosen_logprobs.tolist(), top)

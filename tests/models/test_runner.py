@@ -109,7 +109,7 @@ def test_smollm2_shared_prefix_matches_transformers(smollm2, smollm2_hf, hf_gree
 
 
 def test_smollm2_bf16_answers_the_chat_question(smollm2):
-    runner = ModelRunner(smollm2)  # bf16, page_size 1: the scheduler's defaults
+    runner = ModelRunner(smollm2, dtype=torch.bfloat16)  # page_size 1: the scheduler's default
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = smollm2.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
