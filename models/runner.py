@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionPlan, PrefillChunk, decode_gather_plan
-from .errors import InvalidBatch
+from .batch import build_batch
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
 from .layers import CausalLM
 from .loading import LoadedModel
@@ -74,14 +73,15 @@ class ModelRunner:
         if not seqs:
             return StepOutput()
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
-        input_ids, positions, plan, last_rows = self._layout([seqs[i] for i in order])
-        hidden = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v)
+        batch = build_batch([seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton)
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
         wanted = [j for j, i in enumerate(order) if seqs[i].sample]
         out = StepOutput([None] * len(seqs), [None] * len(seqs), [None] * len(seqs))
         if not wanted:
             return out
         picked = [seqs[order[j]] for j in wanted]
-        logits = self.model.logits(hidden[torch.tensor([last_rows[j] for j in wanted])])
+        rows = torch.tensor([batch.last_rows[j] for j in wanted], device=self.device)
+        logits = self.model.logits(hidden[rows])
         drawn = sample(
             logits, [s.params for s in picked],
             [s.num_cached + len(s.token_ids) for s in picked],
@@ -93,59 +93,6 @@ class ModelRunner:
             out.logprobs[i] = drawn.logprobs[k]
             out.top_logprobs[i] = drawn.top_logprobs[k]
         return out
-
-    def _layout(self, seqs: list[SeqInput]):
-        ps, dev = self.kv.page_size, self.device
-        num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
-        for s in seqs:
-            if not s.token_ids:
-                raise InvalidBatch("a SeqInput has no new tokens")
-            needed = self.kv.pages_for(s.num_cached + len(s.token_ids))
-            if len(s.page_table) < needed:
-                raise InvalidBatch(
-                    f"page table of {len(s.page_table)} pages cannot hold "
-                    f"{s.num_cached}+{len(s.token_ids)} tokens (page_size {ps})"
-                )
-        decode, prefill = seqs[:num_decode], seqs[num_decode:]
-        ids = [s.token_ids[0] for s in decode]
-        pos = [s.num_cached for s in decode]
-        if decode:
-            widest = max(self.kv.pages_for(s.num_cached + 1) for s in decode)
-            table = torch.tensor(
-                [list(s.page_table[:widest]) + [0] * (widest - len(s.page_table[:widest])) for s in decode],
-                dtype=torch.int32,
-            )
-            context_lens = torch.tensor([s.num_cached + 1 for s in decode], dtype=torch.int32)
-            table, context_lens = table.to(dev), context_lens.to(dev)
-        else:
-            table = torch.zeros(0, 1, dtype=torch.int32, device=dev)
-            context_lens = torch.zeros(0, dtype=torch.int32, device=dev)
-        last_rows = list(range(num_decode))
-        slot_parts = [(table.long()[torch.arange(num_decode), (context_lens.long() - 1) // ps] * ps
-                       + (context_lens.long() - 1) % ps)] if decode else []
-        chunks, row = [], num_decode
-        for s in prefill:
-            n, cached = len(s.token_ids), s.num_cached
-            pages = torch.tensor(s.page_table[: self.kv.pages_for(cached + n)], dtype=torch.long)
-            context = torch.arange(cached + n)
-            context_slots = (pages[context // ps] * ps + context % ps).to(dev)
-            slot_parts.append(context_slots[cached:])
-            mask = None
-            if cached:
-                mask = (context[None, :] <= (cached + torch.arange(n))[:, None])[None, None].to(dev)
-            chunks.append(PrefillChunk(row, row + n, context_slots if cached else None, mask))
-            ids.extend(s.token_ids)
-            pos.extend(range(cached, cached + n))
-            row += n
-            last_rows.append(row - 1)
-        plan = AttentionPlan(
-            slots=torch.cat(slot_parts), num_decode=num_decode, page_table=table,
-            context_lens=context_lens, page_size=ps,
-            decode_gather=decode_gather_plan(table, context_lens, ps) if decode and not self.use_triton else None,
-            prefills=chunks, use_triton=self.use_triton,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.tensor(pos, dtype=torch.long, device=dev), plan, last_rows
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -1,0 +1,105 @@
+"""Lay a step's sequences out as one flattened ragged batch (no padding).
+
+Rows are [decode tokens..., prefill chunks...]; `build_batch` returns the
+token ids, their positions, the `AttentionPlan` shared by every layer and,
+per sequence, the row whose hidden state predicts its next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .attention import AttentionPlan, PrefillChunk, decode_gather_plan
+from .errors import InvalidBatch
+
+
+class _Seq(Protocol):
+    token_ids: Sequence[int]
+    page_table: Sequence[int]
+    num_cached: int
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    plan: AttentionPlan
+    last_rows: list[int]  # per sequence (in batch order), its last row
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def build_batch(seqs: Sequence[_Seq], page_size: int, device, use_triton: bool) -> Batch:
+    """`seqs` must list single-token (decode) sequences first."""
+    for s in seqs:
+        _check(s, page_size)
+    num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
+    decode, prefill = seqs[:num_decode], seqs[num_decode:]
+    ids = [s.token_ids[0] for s in decode]
+    positions = [s.num_cached for s in decode]
+    table, context_lens, decode_slots = _decode_tables(decode, page_size)
+    slot_parts, chunks, row = [decode_slots], [], num_decode
+    for s in prefill:
+        chunk, slots = _prefill_chunk(s, row, page_size, device)
+        chunks.append(chunk)
+        slot_parts.append(slots)
+        ids.extend(s.token_ids)
+        positions.extend(range(s.num_cached, s.num_cached + len(s.token_ids)))
+        row = chunk.end
+    table, context_lens = table.to(device), context_lens.to(device)
+    gather = decode_gather_plan(table, context_lens, page_size) if decode and not use_triton else None
+    plan = AttentionPlan(
+        slots=torch.cat(slot_parts).to(device), num_decode=num_decode, page_table=table,
+        context_lens=context_lens, page_size=page_size, decode_gather=gather,
+        prefills=chunks, use_triton=use_triton,
+    )
+    last_rows = list(range(num_decode)) + [c.end - 1 for c in chunks]
+    return Batch(
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(positions, dtype=torch.long, device=device), plan, last_rows,
+    )
+
+
+def _check(s: _Seq, page_size: int) -> None:
+    if not s.token_ids:
+        raise InvalidBatch("a SeqInput has no new tokens")
+    if s.num_cached < 0:
+        raise InvalidBatch(f"num_cached must be >= 0, got {s.num_cached}")
+    if len(s.page_table) < pages_for(s.num_cached + len(s.token_ids), page_size):
+        raise InvalidBatch(
+            f"page table of {len(s.page_table)} pages cannot hold "
+            f"{s.num_cached}+{len(s.token_ids)} tokens (page_size {page_size})"
+        )
+
+
+def _decode_tables(decode: Sequence[_Seq], page_size: int):
+    """Padded page table [B, P] int32, context lengths [B] int32, new-token slots [B]."""
+    if not decode:
+        empty = torch.zeros(0, dtype=torch.int32)
+        return empty.view(0, 1), empty, empty.long()
+    widths = [pages_for(s.num_cached + 1, page_size) for s in decode]
+    widest = max(widths)
+    table = torch.tensor(
+        [[*s.page_table[:w], *([0] * (widest - w))] for s, w in zip(decode, widths)], dtype=torch.int32
+    )
+    last = torch.tensor([s.num_cached for s in decode])
+    slots = table.long()[torch.arange(len(decode)), last // page_size] * page_size + last % page_size
+    return table, (last + 1).to(torch.int32), slots
+
+
+def _prefill_chunk(s: _Seq, row: int, page_size: int, device):
+    n, cached = len(s.token_ids), s.num_cached
+    pages = torch.tensor(s.page_table[: pages_for(cached + n, page_size)], dtype=torch.long)
+    context = torch.arange(cached + n)
+    context_slots = pages[context // page_size] * page_size + context % page_size
+    if not cached:
+        return PrefillChunk(row, row + n, None, None), context_slots
+    mask = context[None, :] <= (cached + torch.arange(n))[:, None]  # causal, offset by the prefix
+    chunk = PrefillChunk(row, row + n, context_slots.to(device), mask[None, None].to(device))
+    return chunk, context_slots[cached:]
