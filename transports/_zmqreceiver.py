@@ -8,8 +8,9 @@ sockets block in turn: backpressure reaches every sender.
 
 ROUTER rather than PULL because the receiver must answer each sender's
 end-of-stream with an acknowledgement, addressed by the routing id ROUTER
-puts in front of every message. The acknowledgement goes out once the end
-marker (and so everything that sender sent before it) is in the channel.
+puts in front of every message. The acknowledgement goes out as soon as the
+owner reads the end marker: everything that sender sent before it has then
+left the wire and is in this process (in the channel, or about to be).
 """
 
 from __future__ import annotations
@@ -25,11 +26,18 @@ import zmq
 from .base import Address, DropCounter, Receiver
 from .codec import CodecError, Decoder
 from ._zmqsender import YIELD_EVERY
-from ._zmqsocket import close_socket, is_closed_error, recv_parts, wait_to_retry
+from ._zmqsocket import (
+    close_socket,
+    is_closed_error,
+    recv_parts,
+    wait_to_retry,
+    wait_until_destroyed,
+)
 
 __all__ = ["DRAIN_BATCH", "ZmqReceiver"]
 
 DRAIN_BATCH = 256  # most messages taken from the socket per wake-up of the owner
+CLOSE_PATIENCE_S = 2.0  # the longest aclose waits for libzmq to destroy the socket
 log = logging.getLogger("transports")
 
 
@@ -44,7 +52,7 @@ _NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
 
 class ZmqReceiver(Receiver[Any]):
     def __init__(self, address: Address, sock: zmq.Socket, decoder: Decoder, capacity: int,
-                 senders: int | None, forget: Callable[[Any], None]) -> None:
+                 senders: int | None, forget: Callable[[Any], None], monitor_address: str) -> None:
         self.address = address
         self.dropped = DropCounter(str(address))
         self.finished = trio.Event()  # the owner is done and the socket closed
@@ -57,6 +65,7 @@ class ZmqReceiver(Receiver[Any]):
         self._failure: str | None = None
         self._owner_scope = trio.CancelScope()
         self._forget = forget
+        self._monitor_address = monitor_address  # an inproc name unique in the context
 
     async def receive(self) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -93,9 +102,24 @@ class ZmqReceiver(Receiver[Any]):
             ) from None
 
     async def aclose(self) -> None:
+        """Close, and return once the socket's connections are closed as well.
+
+        A sender writing into a connection of a socket being destroyed loses
+        that message (libzmq closes sockets asynchronously). Waiting until
+        the socket is gone means the senders' sockets are told at once, hold
+        what they send next and give it to the next receiver bound here.
+        """
         self._from_owner.close()
+        if self.finished.is_set():
+            await trio.lowlevel.checkpoint()
+            return
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_MONITOR_STOPPED, self._monitor_address)
         self._owner_scope.cancel()
-        await self.finished.wait()
+        with trio.move_on_after(CLOSE_PATIENCE_S):
+            await self.finished.wait()
+            await wait_until_destroyed(monitor)
+        if not monitor.closed:
+            monitor.close(linger=0)
 
     def abort(self, reason: str) -> None:
         if self._failure is None and not self.finished.is_set():
@@ -132,8 +156,11 @@ class ZmqReceiver(Receiver[Any]):
                 taken += 1
                 parts = recv_parts(sock)  # the rest of a message is always there
                 if len(parts) == 1 and not len(parts[0]):
-                    await put.send(_END)
+                    # acknowledged at once: everything before it is off the
+                    # wire, and a receiver closed before putting it in the
+                    # channel must not leave that sender's close hanging
                     self._acknowledge(peer)
+                    await put.send(_END)
                     continue
                 try:
                     put.send_nowait(parts)

@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .base import AddressError
 
@@ -33,6 +34,7 @@ __all__ = [
     "os_error",
     "recv_parts",
     "send_parts",
+    "wait_until_destroyed",
     "wait_to_retry",
 ]
 
@@ -87,6 +89,27 @@ def recv_parts(sock: zmq.Socket) -> list[Any]:
         frame = sock.recv(_NOBLOCK, copy=False)
         parts.append(frame)
     return parts
+
+
+async def wait_until_destroyed(monitor: zmq.Socket) -> None:
+    """Wait for ``EVENT_MONITOR_STOPPED`` on a monitor of a closed socket, then close it.
+
+    libzmq closes a socket in its I/O threads after ``close`` returns; that
+    event means every connection of the socket is closed too, so peers are
+    no longer writing into it.
+    """
+    fd = monitor.getsockopt(zmq.FD)
+    try:
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(_NOBLOCK))["event"]
+            except zmq.Again:
+                await wait_to_retry(monitor, fd, zmq.POLLIN)
+                continue
+            if event == zmq.EVENT_MONITOR_STOPPED:
+                return
+    finally:
+        close_socket(monitor, fd)
 
 
 def close_socket(sock: zmq.Socket, fd: int | None) -> None:

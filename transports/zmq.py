@@ -30,6 +30,7 @@ Optional CURVE (tcp): ``ZmqTransport(..., curve=CurveConfig(...))`` or
 from __future__ import annotations
 
 import errno
+import itertools
 from typing import Any
 
 import trio
@@ -63,6 +64,7 @@ class ZmqTransport:
         self._guard = CurveGuard(self._context)
         self._bound: set[Address] = set()
         self._endpoints: set[ZmqSender | ZmqReceiver] = set()
+        self._monitors = itertools.count()
         self._closed = False
 
     async def bind(self, address: Address, decoder: Decoder, *, capacity: int,
@@ -80,7 +82,8 @@ class ZmqTransport:
         except BaseException:
             sock.close(linger=0)
             raise
-        receiver = ZmqReceiver(bound, sock, decoder, capacity, senders, self._forget)
+        receiver = ZmqReceiver(bound, sock, decoder, capacity, senders, self._forget,
+                               f"inproc://tercet-monitor-{next(self._monitors)}")
         self._bound.add(bound)
         self._endpoints.add(receiver)
         await self._nursery.start(receiver.run)
