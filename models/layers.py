@@ -118,8 +118,6 @@ class CausalLM:
 
 def _rope_parameters(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scale, computed by transformers (llama3, yarn...)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -127,6 +125,8 @@ def _rope_parameters(config) -> tuple[torch.Tensor, float]:
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
         return 1.0 / (theta**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ModelLoadError(f"unsupported rope type {rope_type!r}")
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

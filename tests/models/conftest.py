@@ -25,17 +25,23 @@ def smollm2_hf(smollm2):
     return to_transformers(smollm2, torch.float32)
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}
 TINY_CONFIGS = {
-    "llama": {},
-    "qwen2": {},  # q/k/v biases
-    "qwen3": {"head_dim": 16},  # q/k norms
-    "mistral": {"sliding_window": None},
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "qwen3": ("qwen3", {"head_dim": 16}),  # q/k norms
+    "mistral": ("mistral", {"sliding_window": None}),
 }
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
 def tiny(request):
-    return tiny_model(tiny_config(request.param, **TINY_CONFIGS[request.param]), seed=1)
+    model_type, overrides = TINY_CONFIGS[request.param]
+    return tiny_model(tiny_config(model_type, **overrides), seed=1)
 
 
 @pytest.fixture(scope="session")
