@@ -1,0 +1,556 @@
+"""Load generator for any OpenAI-compatible server (like SGLang's bench_serving).
+
+Sends random-token prompts of a set length, streams the answers (SSE), and
+reports TTFT, TPOT, ITL and end-to-end latency (mean, std, p50, p99 in ms)
+plus request, output-token and total-token throughput. EOS is suppressed
+(``ignore_eos``, ``min_tokens``, ``max_tokens``) so each request generates
+exactly ``--output-len`` tokens on servers that honour those fields.
+
+    python -m benchmarks.bench_serving --base-url http://127.0.0.1:8000 \\
+        --input-len 512 --output-len 128 --num-prompts 200 \\
+        --max-concurrency 1 8 32 --json out.json --plot out.png
+    python -m benchmarks.bench_serving --smoke [--base-url URL]
+
+Definitions (per successful request; failures are counted, never timed):
+
+- TTFT: request sent -> first chunk that carries a token.
+- ITL: one entry per token after the first. Tokens per chunk come from
+  ``usage.completion_tokens`` deltas when chunks carry usage (vLLM's
+  ``continuous_usage_stats``), else one per chunk with text. A chunk of n
+  tokens gives one gap (since the previous chunk) and n - 1 zeros: the
+  tokens reached the client together.
+- E2E: request sent -> last token.
+- TPOT: (e2e - ttft) / (output_tokens - 1).
+- Output tokens: the final ``usage.completion_tokens`` when the server sends
+  it, else the count above. Input tokens likewise from ``usage.prompt_tokens``.
+
+The client is trio with a minimal keep-alive HTTP/1.1 reader (``RawHTTP``)
+instead of httpx: on this 2-core box httpx (httpcore + h11 + anyio) cost
+about 200 us of client CPU per streamed token, stealing that much from the
+server under test; this reader halves that. SSE is split by hand and decoded
+with msgspec. Each run reports the client's own CPU seconds
+(``client_cpu_s``): the share of a small machine the load generator took.
+Each run in a sweep draws fresh prompts (a prefix cache gets no free hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import msgspec
+import numpy as np
+import trio
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORDS = ("the of and to in is was for on that with as by at from his her it an were are "
+         "which this be or had not but first one their its new after who they have two "
+         "time city year world over during more only can three other been into most").split()
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+# ---- a minimal HTTP/1.1 client ----------------------------------------------
+
+class HTTPProtocolError(Exception):
+    """The server's answer is not HTTP/1.1 this client can read."""
+
+
+class _Stale(Exception):
+    """The connection closed before any byte of the response."""
+
+
+class Response:
+    """Status, headers, and a body read piece by piece (chunked or sized)."""
+
+    def __init__(self, stream: trio.SocketStream, buffer: bytes):
+        self.stream, self.buffer = stream, buffer
+        head, _, self.buffer = buffer.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise HTTPProtocolError(f"bad status line {status_line!r}")
+        self.status = int(parts[1])
+        self.headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+        self.chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length")
+        self.left = int(length) if length is not None and not self.chunked else -1
+        self.state = "size" if self.chunked else "sized"  # -> data, crlf, trailer, done
+        self.reusable = self.headers.get("connection", "").lower() != "close" and (
+            self.chunked or self.left >= 0)
+
+    async def read_some(self) -> bytes:
+        """The next piece of body; b"" once it is all read."""
+        while True:
+            piece = self._take()
+            if piece or self.state == "done":
+                return piece
+            data = await self.stream.receive_some(65536)
+            if not data:
+                if self.state == "sized" and self.left < 0:  # body ends at close
+                    self.state = "done"
+                    return b""
+                raise HTTPProtocolError("connection closed inside the body")
+            self.buffer += data
+
+    async def read_all(self) -> bytes:
+        pieces = []
+        while piece := await self.read_some():
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def _take(self) -> bytes:
+        buf, out = self.buffer, []
+        if self.state == "sized":
+            out.append(buf if self.left < 0 else buf[:self.left])
+            buf = b"" if self.left < 0 else buf[self.left:]
+            if self.left >= 0:
+                self.left -= len(out[0])
+                if self.left == 0:
+                    self.state = "done"
+        while self.chunked and self.state != "done":
+            if self.state == "data":
+                out.append(buf[:self.left])
+                self.left -= len(out[-1])
+                buf = buf[len(out[-1]):]
+                if self.left:
+                    break
+                self.state = "crlf"
+            if self.state == "crlf":
+                if len(buf) < 2:
+                    break
+                buf, self.state = buf[2:], "size"
+            if self.state in ("size", "trailer"):
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    break
+                line, buf = buf[:end], buf[end + 2:]
+                if self.state == "trailer":
+                    if not line:
+                        self.state = "done"
+                        break
+                    continue
+                try:
+                    self.left = int(line.split(b";")[0], 16)
+                except ValueError:
+                    raise HTTPProtocolError(f"bad chunk size {line[:20]!r}") from None
+                self.state = "data" if self.left else "trailer"
+        self.buffer = buf
+        return b"".join(out)
+
+
+class RawHTTP:
+    """Keep-alive HTTP/1.1 over trio sockets: far cheaper per SSE event than
+    httpx (httpcore + h11 + anyio), which matters when the client shares a
+    small machine with the server it measures."""
+
+    def __init__(self, base_url: str, api_key: str | None = None):
+        url = urlsplit(base_url)
+        if url.scheme != "http":
+            raise SystemExit(f"bench_serving: only http:// URLs, not {base_url!r}")
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+        self.prefix = url.path.rstrip("/")
+        self.base_url = base_url
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.common = f"Host: {url.netloc}\r\n{auth}Accept: */*\r\n"
+        self.idle: list[trio.SocketStream] = []
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> Response:
+        head = (f"{method} {self.prefix}{path} HTTP/1.1\r\n{self.common}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        message = head.encode() + body
+        while self.idle:  # a pooled connection the server may have closed meanwhile
+            stream = self.idle.pop()
+            try:
+                return await self._exchange(stream, message)
+            except (OSError, trio.BrokenResourceError, _Stale):
+                pass
+        stream = await trio.open_tcp_stream(self.host, self.port)
+        try:
+            return await self._exchange(stream, message)
+        except _Stale:
+            raise HTTPProtocolError("connection closed before the response") from None
+
+    @staticmethod
+    async def _exchange(stream: trio.SocketStream, message: bytes) -> Response:
+        try:
+            await stream.send_all(message)
+            buffer = b""
+            while b"\r\n\r\n" not in buffer:
+                data = await stream.receive_some(65536)
+                if not data:
+                    raise _Stale if not buffer else HTTPProtocolError("cut inside the headers")
+                buffer += data
+            return Response(stream, buffer)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+
+    async def release(self, response: Response) -> None:
+        """Back to the pool when the body was read to its end; else close."""
+        if response.state == "done" and response.reusable and not response.buffer:
+            self.idle.append(response.stream)
+        else:
+            await trio.aclose_forcefully(response.stream)
+
+    async def get_json(self, path: str):
+        response = await self.request("GET", path)
+        try:
+            body = await response.read_all()
+        finally:
+            await self.release(response)
+        if response.status != 200:
+            raise HTTPProtocolError(f"HTTP {response.status}: {body[:120]!r}")
+        return msgspec.json.decode(body)
+
+    async def aclose(self) -> None:
+        while self.idle:
+            await trio.aclose_forcefully(self.idle.pop())
+
+
+# ---- one request ------------------------------------------------------------
+
+def request_body(args, model: str, prompt) -> dict:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": args.output_len, "min_tokens": args.output_len,
+            "ignore_eos": True, "temperature": 0.0}
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def chunk_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice["text"] or ""
+    delta = choice.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or ""
+
+
+async def send_one(client: RawHTTP, path: str, body: dict, input_len: int,
+                   timeout: float = 600.0) -> Result:
+    result = Result(prompt_tokens=input_len)
+    decode = msgspec.json.decode
+    start = time.perf_counter()
+    last = start
+    counted = 0  # tokens seen in chunks
+    usage_done = None  # completion_tokens from the latest usage
+    response = None
+    try:
+        with trio.fail_after(timeout) as scope:
+            response = await client.request("POST", path, msgspec.json.encode(body))
+            if response.status != 200:
+                text = (await response.read_all()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:120]}"
+                return result
+            buffer = b""
+            while data := await response.read_some():
+                now = time.perf_counter()
+                scope.deadline = trio.current_time() + timeout  # per read, not per request
+                buffer += data
+                if b"\r" in buffer:
+                    buffer = buffer.replace(b"\r\n", b"\n")
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            continue
+                        message = decode(payload)
+                        if "error" in message or message.get("object") == "error":
+                            error = message.get("error", message)
+                            if isinstance(error, dict):
+                                error = error.get("message", error)
+                            result.error = f"error event: {str(error)[:120]}"
+                            return result
+                        usage = message.get("usage") or {}
+                        if usage.get("prompt_tokens"):
+                            result.prompt_tokens = usage["prompt_tokens"]
+                        choices = message.get("choices") or []
+                        if "completion_tokens" in usage:
+                            n = usage["completion_tokens"] - (usage_done or 0)
+                            usage_done = usage["completion_tokens"]
+                            if not choices:
+                                continue  # the final usage-only chunk
+                        else:
+                            n = 1 if choices and chunk_text(choices[0]) else 0
+                        if n <= 0:
+                            continue
+                        if counted == 0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        result.itl.extend([0.0] * (n - 1))
+                        counted += n
+                        last = now
+    except (OSError, trio.BrokenResourceError, trio.TooSlowError, HTTPProtocolError,
+            msgspec.DecodeError, AttributeError, TypeError) as exc:
+        result.error = f"{type(exc).__name__}: {str(exc)[:120]}"
+        return result
+    finally:
+        if response is not None:
+            await client.release(response)
+    result.e2e = last - start
+    result.output_tokens = usage_done if usage_done is not None else counted
+    if counted == 0:
+        result.error = "no tokens in the stream"
+        return result
+    result.ok = True
+    return result
+
+
+# ---- prompts, runs ----------------------------------------------------------
+
+def make_prompts(rng: np.random.Generator, n: int, args, text: bool) -> list:
+    if text:
+        words = rng.integers(0, len(WORDS), size=(n, args.input_len))
+        return [" ".join(WORDS[i] for i in row) for row in words]
+    ids = rng.integers(args.token_low, args.token_high, size=(n, args.input_len))
+    return [row.tolist() for row in ids]
+
+
+async def run_requests(client, args, model, prompts, concurrency, rate, rng, text, desc):
+    """Send all prompts; returns (results, wall seconds, client CPU seconds)."""
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    limiter = trio.CapacityLimiter(concurrency or len(prompts) or 1)
+    results: list[Result] = []
+    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, mininterval=0.5, leave=False)
+
+    async def one(prompt):
+        async with limiter:
+            results.append(await send_one(client, path, request_body(args, model, prompt),
+                                          args.input_len, args.timeout))
+        bar.update(1)
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for prompt in prompts:
+            nursery.start_soon(one, prompt)
+            if math.isfinite(rate):
+                await trio.sleep(rng.exponential(1.0 / rate))
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    bar.close()
+    return results, wall, cpu
+
+
+def stats_ms(samples: list[float]) -> dict:
+    if not samples:
+        return {"mean": None, "std": None, "p50": None, "p99": None}
+    a = np.asarray(samples) * 1e3
+    return {"mean": float(a.mean()), "std": float(a.std()),
+            "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[Result], wall: float, cpu: float, concurrency, rate) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    errors = Counter(r.error for r in results if not r.ok)
+    return {
+        "max_concurrency": concurrency,
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": dict(errors.most_common(5)),
+        "duration_s": wall,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / wall,
+        "output_throughput": out_tokens / wall,
+        "total_token_throughput": (in_tokens + out_tokens) / wall,
+        "client_cpu_s": cpu,
+        "ttft_ms": stats_ms([r.ttft for r in ok]),
+        "tpot_ms": stats_ms([(r.e2e - r.ttft) / (r.output_tokens - 1)
+                             for r in ok if r.output_tokens > 1]),
+        "itl_ms": stats_ms([gap for r in ok for gap in r.itl]),
+        "e2e_ms": stats_ms([r.e2e for r in ok]),
+    }
+
+
+async def pick_model(client: RawHTTP) -> str:
+    try:
+        return (await client.get_json("/v1/models"))["data"][0]["id"]
+    except (OSError, HTTPProtocolError, msgspec.DecodeError,
+            KeyError, IndexError, TypeError) as exc:
+        raise SystemExit(f"bench_serving: cannot list models at {client.base_url}: {exc!r}; "
+                         "pass --model") from None
+
+
+async def accepts_token_ids(client, args, model) -> bool:
+    """One tiny request with a list-of-ints prompt; a 4xx answer means 'no'."""
+    body = request_body(args, model, list(range(args.token_low, args.token_low + 4)))
+    body["max_tokens"] = body["min_tokens"] = 1
+    result = await send_one(client, "/v1/completions", body, 4)
+    return not (result.error.startswith("HTTP 4"))
+
+
+async def benchmark(args) -> dict:
+    """Every run of the sweep against ``args.base_url``; returns the report."""
+    rng = np.random.default_rng(args.seed)
+    client = RawHTTP(args.base_url, args.api_key)
+    try:
+        model = args.model or await pick_model(client)
+        text = args.text_prompts or args.endpoint == "chat"
+        if not text and not await accepts_token_ids(client, args, model):
+            print("bench_serving: server refuses token-id prompts; sending text", file=sys.stderr)
+            text = True
+        if args.warmup:
+            prompts = make_prompts(rng, args.warmup, args, text)
+            await run_requests(client, args, model, prompts, args.max_concurrency[0],
+                               math.inf, rng, text, "warmup")
+        runs = []
+        for concurrency in args.max_concurrency:
+            prompts = make_prompts(rng, args.num_prompts, args, text)
+            results, wall, cpu = await run_requests(
+                client, args, model, prompts, concurrency, args.request_rate, rng, text,
+                f"concurrency {concurrency or 'inf'}")
+            runs.append(summarize(results, wall, cpu, concurrency, args.request_rate))
+    finally:
+        await client.aclose()
+    settings = {k: v for k, v in vars(args).items() if k != "api_key"}
+    settings.update(model=model, text_prompts=text, request_rate=str(args.request_rate))
+    return {"args": settings, "runs": runs}
+
+
+# ---- output -----------------------------------------------------------------
+
+def print_table(report: dict) -> None:
+    def num(value, width, digits=1):
+        return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
+
+    groups = "".join(f"{m.upper() + ' ms mean/p50/p99':^27}" for m in METRICS)
+    head = f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'tot tok/s':>9} "
+    print(f"model {report['args']['model']}  input {report['args']['input_len']}  "
+          f"output {report['args']['output_len']}  rate {report['args']['request_rate']}")
+    print(" " * len(head) + groups)
+    print(head + "".join(f"{'mean':>9}{'p50':>9}{'p99':>9}" for _ in METRICS))
+    for run in report["runs"]:
+        line = (f"{run['max_concurrency'] or 'inf':>5} {run['completed']:>5} {run['failed']:>4} "
+                f"{num(run['request_throughput'], 7, 2)} {num(run['output_throughput'], 9)} "
+                f"{num(run['total_token_throughput'], 9)} ")
+        for m in METRICS:
+            s = run[f"{m}_ms"]
+            line += num(s["mean"], 9, 2) + num(s["p50"], 9, 2) + num(s["p99"], 9, 2)
+        print(line)
+        for error, count in run["errors"].items():
+            print(f"      {count} x {error}")
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    xs = [r["max_concurrency"] or r["num_prompts"] for r in runs]
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    for key, stat, label in (("ttft_ms", "p50", "TTFT p50"), ("ttft_ms", "p99", "TTFT p99"),
+                             ("tpot_ms", "p50", "TPOT p50")):
+        lat.plot(xs, [r[key][stat] if r[key][stat] is not None else math.nan for r in runs],
+                 marker="o", label=label)
+    lat.set(xlabel="max concurrency", ylabel="ms", title="latency")
+    thr.plot(xs, [r["output_throughput"] for r in runs], marker="o", label="output tok/s")
+    thr.plot(xs, [r["total_token_throughput"] for r in runs], marker="s", label="total tok/s")
+    thr.set(xlabel="max concurrency", ylabel="tokens/s", title="throughput")
+    for ax in (lat, thr):
+        if len(xs) > 1 and max(xs) / max(min(xs), 1) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['args']['model']}: input {report['args']['input_len']}, "
+                 f"output {report['args']['output_len']}")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- command line -----------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (required unless --smoke)")
+    p.add_argument("--model", help="default: the first from GET /v1/models")
+    p.add_argument("--api-key")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
+    p.add_argument("--output-len", type=int, default=None, help="tokens to generate (default 128)")
+    p.add_argument("--num-prompts", type=int, default=None, help="per run (default 200)")
+    p.add_argument("--text-prompts", action="store_true", help="random words, not token ids")
+    p.add_argument("--token-low", type=int, default=1000, help="random token ids from here")
+    p.add_argument("--token-high", type=int, default=20000, help="... up to here (exclusive)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second; inf (default) sends all at once")
+    p.add_argument("--max-concurrency", type=lambda s: None if s in ("inf", "0") else int(s),
+                   nargs="+", default=None, help="one run per value (a sweep); default: no limit")
+    p.add_argument("--warmup", type=int, default=None, help="requests before the runs (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per network read")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--plot", help="PNG of latency and throughput against concurrency")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny sweep; against an in-process stub unless --base-url is given")
+    args = p.parse_args(argv)
+    small = args.smoke
+    for name, normal, smoke in (("input_len", 1024, 32), ("output_len", 128, 16),
+                                ("num_prompts", 200, 8), ("warmup", 2, 1),
+                                ("max_concurrency", [None], [1, 4])):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if small else normal)
+    if not args.smoke and not args.base_url:
+        p.error("--base-url is required unless --smoke")
+    return args
+
+
+async def main_async(args) -> dict:
+    if args.base_url:
+        args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+        return await benchmark(args)
+    from benchmarks._stub_openai import StubConfig, serve_stub
+
+    async with trio.open_nursery() as nursery:
+        args.base_url = await nursery.start(serve_stub, StubConfig())
+        report = await benchmark(args)
+        report["args"]["stub"] = "in-process (client_cpu_s includes the stub)"
+        nursery.cancel_scope.cancel()
+    return report
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    report = trio.run(main_async, args)
+    print_table(report)
+    if args.json:
+        out = report if len(report["runs"]) > 1 else {**report["runs"][0], "args": report["args"]}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.plot:
+        plot(report, args.plot)
+
+
+if __name__ == "__main__":
+    main()
