@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -78,20 +78,24 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]
     """Run ``work`` unless the client goes away first: (disconnected, result)."""
     result: Any = None
     gone = False
-    async with trio.open_nursery() as nursery:
 
-        async def watch() -> None:
-            nonlocal gone
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    gone = True
-                    nursery.cancel_scope.cancel()
-                    return
-
-        nursery.start_soon(watch)
-        result = await work()
+    async def watch(nursery: trio.Nursery) -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
         nursery.cancel_scope.cancel()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery)
+            result = await work()
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the work's own error, not the group around it
+        _, errors = group.split(trio.Cancelled)
+        if errors is not None and len(errors.exceptions) == 1 and isinstance(errors.exceptions[0], Exception):
+            raise errors.exceptions[0] from None
+        raise
     return gone, result
 
 
@@ -307,11 +311,12 @@ async def health_generate(request: Request, state: ServerState) -> Response:
         return PlainTextResponse(problem, status_code=503)
     obj = GenerateInput(input_ids=[1], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
     with trio.move_on_after(20.0):
-        async for chunk in state.engine.tokenizer_manager.generate(obj):
-            if chunk.finished is not None:
-                if chunk.finished.type == "abort":
-                    return PlainTextResponse(f"generation failed: {chunk.finished.message}", status_code=503)
-                return PlainTextResponse("OK")
+        async with aclosing(state.engine.tokenizer_manager.generate(obj)) as stream:
+            async for chunk in stream:
+                if chunk.finished is not None:
+                    if chunk.finished.type == "abort":
+                        return PlainTextResponse(f"generation failed: {chunk.finished.message}", status_code=503)
+                    return PlainTextResponse("OK")
     return PlainTextResponse("no token within 20 s", status_code=503)
 
 

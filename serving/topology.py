@@ -153,7 +153,11 @@ def load_topology(source: str | Path | None = None, overrides: dict[str, Any] | 
     try:
         topology = msgspec.convert(data, Topology)
     except msgspec.ValidationError as exc:
-        raise TopologyError(f"{path}{_line_of(text, str(exc))}: {_readable(str(exc))}") from None
+        message = str(exc)
+        unknown = re.search(r"unknown field `([^`]+)` - at `(\$[^`]*)`", message)
+        if unknown:  # point at the unknown key itself
+            message = f"unknown field - at `{unknown[2]}.{unknown[1]}`"
+        raise TopologyError(f"{path}{_line_of(text, message)}: {_readable(message)}") from None
     try:
         topology.check()
     except TopologyError as exc:

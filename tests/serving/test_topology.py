@@ -1,0 +1,65 @@
+"""Topology files: every shipped one starts and serves; a broken one names the field."""
+
+import httpx
+import pytest
+
+from serving.topology import TopologyError, load_topology, parse_size
+
+from ..conftest import free_tcp_port
+from .test_http import start_server
+
+SHIPPED = ["single-process", "default", "tcp"]
+
+
+def test_every_shipped_topology_validates():
+    for name in SHIPPED:
+        load_topology(name).check()
+
+
+@pytest.mark.parametrize("name", ["default", "tcp"])
+async def test_shipped_topology_starts_and_serves(nursery, name):
+    overrides = {}
+    if name == "tcp":  # the file's fixed ports may be taken on a test machine
+        overrides = {"actors.scheduler": {"process": "child", "address": f"tcp://127.0.0.1:{free_tcp_port()}"},
+                     "actors.detokenizer": {"process": "child", "address": f"tcp://127.0.0.1:{free_tcp_port()}"},
+                     "actors.tokenizer": {"process": "main", "address": f"tcp://127.0.0.1:{free_tcp_port()}"}}
+    url, _ = await start_server(nursery, name, **overrides)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        assert (await client.get("/health")).status_code == 200
+        r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def write(tmp_path, text):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("scheduler:\n  page_size: many\n", r"t.yaml:2: scheduler.page_size: Expected `int`, got `str`"),
+        ("model:\n  path: null\nserver:\n  prot: 80\n", r"t.yaml:4: server.prot: unknown field"),
+        ("scheduler:\n  kv_budget: lots\n", r"t.yaml:2: scheduler.kv_budget: 'lots' is not a size"),
+        ("actors:\n  scheduler: {process: child, address: 'inproc://s'}\n", r"t.yaml:2: actors.scheduler: a child process"),
+        ("supervision:\n  strategy: one_for_some\n", r"t.yaml:2: supervision.strategy: Invalid enum value"),
+        ("server: [1, 2\n", r"not valid YAML"),
+        ("- 1\n", r"top level must be a mapping"),
+    ],
+)
+def test_a_broken_file_names_the_field_and_line(tmp_path, text, expected):
+    with pytest.raises(TopologyError) as info:
+        load_topology(write(tmp_path, text))
+    assert expected in str(info.value), str(info.value)
+
+
+def test_missing_file_lists_the_shipped_ones():
+    with pytest.raises(TopologyError, match="single-process"):
+        load_topology("no-such-topology")
+
+
+def test_sizes():
+    assert parse_size("256MiB", "x") == 256 * 2**20
+    assert parse_size("1.5GB", "x") == 1_500_000_000
+    assert parse_size(1024, "x") == 1024
