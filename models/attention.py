@@ -34,6 +34,7 @@ class AttentionPlan:
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None  # torch path: rows + mask
     prefills: list[PrefillChunk]
     use_triton: bool
+    compute_dtype: torch.dtype | None = None  # torch path: attend in this dtype (fp32 where bf16 is slow)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k, v, slots) -> None:
@@ -58,31 +59,35 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_s
     return gathered_decode_attention(q, k_cache, v_cache, rows, valid, scale)
 
 
-def gathered_decode_attention(q, k_cache, v_cache, rows, valid, scale):
+def gathered_decode_attention(q, k_cache, v_cache, rows, valid, scale, compute_dtype=None):
+    dtype = compute_dtype or q.dtype
     flat = rows.reshape(-1)  # index_select copies whole rows: far faster than k_cache[rows]
     keys = k_cache.index_select(0, flat).view(*rows.shape, *k_cache.shape[1:]).transpose(1, 2)
     values = v_cache.index_select(0, flat).view(*rows.shape, *v_cache.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, attn_mask=valid, scale=scale, enable_gqa=True
+        q[:, :, None, :].to(dtype), keys.to(dtype), values.to(dtype), attn_mask=valid,
+        scale=scale, enable_gqa=True,
     )
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(q.dtype)
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale):
+def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale, compute_dtype=None):
     """One chunk: q/k/v [n, heads, d] of its new tokens -> [n, heads, d]."""
+    dtype, out_dtype = compute_dtype or q.dtype, q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if chunk.context_slots is None:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=scale, enable_gqa=True,
         )
     else:
-        keys = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)[None]
-        values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)[None]
+        keys = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)[None].to(dtype)
+        values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)[None].to(dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys, values, attn_mask=chunk.mask, scale=scale,
             enable_gqa=True,
         )
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(out_dtype)
 
 
 def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
@@ -101,8 +106,12 @@ def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
                 q[:n], k_cache, v_cache, plan.page_table, plan.context_lens, plan.page_size, scale
             )
         else:
-            out[:n] = gathered_decode_attention(q[:n], k_cache, v_cache, *plan.decode_gather, scale)
+            out[:n] = gathered_decode_attention(
+                q[:n], k_cache, v_cache, *plan.decode_gather, scale, plan.compute_dtype
+            )
     for chunk in plan.prefills:
         part = slice(chunk.start, chunk.end)
-        out[part] = prefill_attention(q[part], k[part], v[part], k_cache, v_cache, chunk, scale)
+        out[part] = prefill_attention(
+            q[part], k[part], v[part], k_cache, v_cache, chunk, scale, plan.compute_dtype
+        )
     return out

@@ -32,6 +32,19 @@ class _Weights:
         return None if any(p is None for p in parts) else torch.cat(parts).contiguous()
 
 
+def _linear(x, weight, bias=None, upcast=False):
+    """F.linear; with `upcast`, a bf16 product computed as fp32 sgemm on exact upcasts.
+
+    Same numbers as a bf16 GEMM (bf16 inputs, fp32 accumulation, bf16 out), but
+    on a CPU without bf16 units it is 3.5x faster from 8 rows up (measured
+    here at 64 x 576 x 3072: 7.4 ms vs 25.8 ms); below 8 rows bf16 is faster.
+    """
+    if upcast and x.shape[0] >= 8:
+        bias = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
 def _rms_norm(x, weight, eps):
     # as transformers: normalise in float32, scale in the model dtype
     x32 = x.float()
@@ -63,7 +76,7 @@ class _Layer:
     def __call__(self, x, cos, sin, plan, k_cache, v_cache):
         cfg = self.model
         h = _rms_norm(x, self.input_norm, cfg.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qkv = _linear(h, self.qkv, self.qkv_bias, cfg.upcast)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -72,16 +85,16 @@ class _Layer:
             q, k = _rms_norm(q, self.q_norm, cfg.eps), _rms_norm(k, self.k_norm, cfg.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         attn = attend(q, k, v, k_cache, v_cache, plan, cfg.scale)
-        x = x + F.linear(attn.reshape(len(x), cfg.q_size), self.o, self.o_bias)
+        x = x + _linear(attn.reshape(len(x), cfg.q_size), self.o, self.o_bias, cfg.upcast)
         h = _rms_norm(x, self.post_norm, cfg.eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = _linear(h, self.gate_up, upcast=cfg.upcast).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, self.down, upcast=cfg.upcast)
 
 
 class CausalLM:
     """Weights and forward pass; the KV cache belongs to the caller (the runner)."""
 
-    def __init__(self, config, state_dict, dtype=torch.bfloat16, device="cpu") -> None:
+    def __init__(self, config, state_dict, dtype=torch.bfloat16, device="cpu", upcast=False) -> None:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -91,6 +104,7 @@ class CausalLM:
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.dtype, self.device = dtype, torch.device(device)
+        self.upcast = upcast and dtype == torch.bfloat16  # see _linear
         self.inv_freq, self.rope_scale = _rope_parameters(config)
         w = _Weights(state_dict, dtype, self.device)
         self.embed = w.get("model.embed_tokens.weight")
@@ -113,7 +127,7 @@ class CausalLM:
         return _rms_norm(x, self.norm, self.eps)
 
     def logits(self, hidden) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return _linear(hidden, self.lm_head, upcast=self.upcast).float()
 
 
 def _rope_parameters(config) -> tuple[torch.Tensor, float]:

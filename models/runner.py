@@ -58,7 +58,8 @@ class ModelRunner:
         self.tokenizer = model.tokenizer
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
-        self.model = CausalLM(model.config, model.state_dict, dtype, self.device)
+        upcast = self.device.type == "cpu" and not cpu_has_bf16()
+        self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast)
         self.kv = KVCache(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, dtype=dtype, device=self.device,
@@ -74,6 +75,8 @@ class ModelRunner:
             return StepOutput()
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
         batch = build_batch([seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton)
+        if self.model.upcast:
+            batch.plan.compute_dtype = torch.float32
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
         wanted = [j for j, i in enumerate(order) if seqs[i].sample]
         out = StepOutput([None] * len(seqs), [None] * len(seqs), [None] * len(seqs))
@@ -103,12 +106,17 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """
     if device.type != "cpu":
         return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return torch.float32
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def generate(

@@ -115,3 +115,17 @@ def test_smollm2_bf16_answers_the_chat_question(smollm2):
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     out = generate(runner, [prompt], 9)[0]
     assert smollm2.tokenizer.decode(out, skip_special_tokens=True).startswith("The capital of France is Paris")
+
+
+def test_bf16_upcast_matmuls_give_bf16_results(tiny_llama):
+    """On CPUs without bf16 units bf16 products run as fp32 sgemm: same numbers."""
+    plain = ModelRunner(tiny_llama, dtype=torch.bfloat16)
+    plain.model.upcast = False
+    upcast = ModelRunner(tiny_llama, dtype=torch.bfloat16)
+    upcast.model.upcast = True
+    prompt = list(range(300, 340))
+    for runner in (plain, upcast):
+        runner.step([SeqInput(prompt, runner.kv.allocate(len(prompt)), sample=False)])
+    assert torch.allclose(plain.kv.k.float(), upcast.kv.k.float(), atol=0.05, rtol=0.02)
+    hidden = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.allclose(plain.model.logits(hidden), upcast.model.logits(hidden), atol=0.05, rtol=0.02)
