@@ -24,6 +24,14 @@ from .sampling import GREEDY, SamplingParams, sample
 
 @dataclass
 class SeqInput:
+    """One sequence's share of a step.
+
+    The token drawn after it sits at position `num_cached + len(token_ids)`;
+    that position and `params.seed` fix its randomness. Pages shared with
+    another sequence must be full (only the last, partly filled page is
+    written to); with page_size=1 every page is full.
+    """
+
     token_ids: Sequence[int]  # new tokens: a prompt chunk, or the last sampled token
     page_table: Sequence[int]  # the sequence's pages in order, covering cached + new tokens
     num_cached: int = 0  # tokens whose K/V are already in those pages (own or shared prefix)
@@ -58,6 +66,7 @@ class ModelRunner:
         self.tokenizer = model.tokenizer
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
+        self.max_context_len = getattr(model.config, "max_position_embeddings", None)
         upcast = self.device.type == "cpu" and not cpu_has_bf16()
         self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast)
         self.kv = KVCache(
