@@ -95,6 +95,7 @@ class _Running:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     done: trio.Event = field(default_factory=trio.Event)
     stopping: bool = False
+    killed: BaseException | None = None  # why the supervisor was told to kill it
 
 
 class _Status:
@@ -147,6 +148,17 @@ class Supervisor:
         self._events_send.send_nowait(_STOP)
         await trio.lowlevel.checkpoint()
 
+    def kill(self, name: str, reason: BaseException) -> bool:
+        """Cancel a running child now, as a crash caused by ``reason`` (e.g. a watchdog
+        elsewhere saw it hang); its restart policy applies. False if it is not running."""
+        running = self._running.get(name)
+        if running is None or running.stopping:
+            return False
+        log.error("%s: killing child %s: %r", self.name, name, reason)
+        running.killed = reason
+        running.scope.cancel()
+        return True
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         failure: BaseException | None = None
         async with trio.open_nursery() as nursery:
@@ -194,6 +206,8 @@ class Supervisor:
                     if not status.reported:
                         raise
                     reason = unwrap(exc)
+            if running.killed is not None:
+                reason = running.killed
         finally:
             running.done.set()
         if not status.reported:

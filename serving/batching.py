@@ -58,6 +58,7 @@ class Req:
     handle: Any = None  # the locked radix node of the shared prefix
     num_shared_pages: int = 0  # the first pages, owned by the prefix cache
     cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    replaces: str | None = None
     finished: FinishReason | None = None
     sent_init: bool = False
 
@@ -120,10 +121,11 @@ class BatchState:
         req = Req(
             msg.rid, msg.worker, tokens, len(tokens) - msg.num_prior_output, msg.num_prior_output,
             msg.sampling, to_model_sampling(msg.sampling), msg.stream, msg.return_logprob,
-            min(msg.top_logprobs_num, top_logprobs_cap),
+            min(msg.top_logprobs_num, top_logprobs_cap), replaces=msg.replaces,
         )
-        if msg.rid in self.by_rid:
-            self.drop(msg.rid)  # a resume replaces what is left of the old incarnation
+        for old in (msg.replaces, msg.rid):  # a resume replaces what is left of the old incarnation
+            if old is not None and old in self.by_rid:
+                self.drop(old)
         capacity = self.kv.num_pages * self.kv.page_size
         if not tokens or req.num_prompt <= 0:
             return self._end_now(req, FinishReason("abort", message="the prompt is empty", status_code=400))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -70,8 +71,8 @@ def topology_from(args: argparse.Namespace) -> Topology:
     return load_topology(args.config, overrides)
 
 
-async def serve(topology: Topology) -> None:
-    """Serve until cancelled (Ctrl-C) or until the runtime fails for good."""
+async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseException | None:
+    """Serve until SIGINT/SIGTERM, or until the runtime fails for good (returned)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -82,7 +83,27 @@ async def serve(topology: Topology) -> None:
     config.accesslog = None
     config.graceful_timeout = 5.0
     app = build_app(topology)
-    await hypercorn_serve(app, config)
+
+    async def shutdown_trigger() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def on_failure() -> None:
+                await app.state.ready.wait()
+                await app.state.server.engine.failed.wait()
+                await trio.sleep(failure_grace)  # the error responses reach their clients
+                nursery.cancel_scope.cancel()
+
+            async def on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(on_failure)
+            nursery.start_soon(on_signal)
+
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+    return app.state.server.engine.failure if app.state.ready.is_set() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
              ", ".join(f"{name}@{getattr(topology.actors, name).address} ({getattr(topology.actors, name).process})"
                        for name in ("scheduler", "detokenizer", "tokenizer")))
     try:
-        trio.run(serve, topology)
+        failure = trio.run(serve, topology)
     except KeyboardInterrupt:
         return 0
-    except Exception as exc:  # noqa: BLE001 - a failed runtime: say why, exit non-zero
+    except Exception as exc:  # noqa: BLE001 - a runtime that failed to start: say why, exit non-zero
         log.critical("the server failed: %r", exc)
+        return 1
+    if failure is not None:
+        log.critical("exiting: %s", failure)
         return 1
     return 0
 

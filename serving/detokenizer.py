@@ -291,6 +291,8 @@ class DetokenizerManager(Actor):
 
     def _open(self, init: DecodeInit) -> None:
         """A new request, or a resume of one in flight (its state is replaced)."""
+        if init.replaces is not None:
+            self.states.pop(init.replaces, None)
         if not 0 <= init.worker < len(self.workers):
             log.error("request %s names tokenizer worker %d of %d; dropped",
                       init.rid, init.worker, len(self.workers))

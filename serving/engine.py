@@ -51,10 +51,49 @@ class AsyncEngine:
         self.addresses = addresses
         self.topology = topology
         self.tokenizer = tokenizer
+        self.failure: BaseException | None = None  # set when the supervisor gave up
+        self.failed = trio.Event()
+        self.recoveries: list[float] = []  # seconds from a crash to the restarted child's readiness
+        self._tokenizer_manager: TokenizerManager | None = None
+        self._scheduler_up = trio.Event()
+        self._scheduler_up.set()
+        self.starts: dict[str, int] = {}
+        self._start_seen = trio.Event()
+
+    async def started(self, child: str, times: int) -> None:
+        """Wait until ``child`` has started ``times`` times (1: its first start)."""
+        while self.starts.get(child, 0) < times and self.failure is None:
+            self._start_seen = trio.Event()
+            await self._start_seen.wait()
+
+    def _record_start(self, child: str) -> None:
+        self.starts[child] = self.starts.get(child, 0) + 1
+        self._start_seen.set()
+
+    async def scheduler_up(self) -> None:
+        """Return once the scheduler is running (at once, usually) or the runtime failed."""
+        await self._scheduler_up.wait()
+
+    def _scheduler_event(self, kind: str) -> None:
+        if kind in ("crashed", "exited", "restarting") and self._scheduler_up.is_set():
+            self._scheduler_up = trio.Event()
+        elif kind == "started":
+            self._scheduler_up.set()
 
     @property
     def tokenizer_manager(self) -> TokenizerManager:
-        return self.supervisor.child("tokenizer").actor
+        assert self._tokenizer_manager is not None
+        return self._tokenizer_manager
+
+    def fail(self, failure: BaseException) -> None:
+        """The runtime is beyond repair: end every request with an error, now."""
+        self.failure = failure
+        self.failed.set()
+        self._scheduler_up.set()  # wake the waiters: they will find the failure
+        self._start_seen.set()
+        if self._tokenizer_manager is not None:
+            count = self._tokenizer_manager.fail_all(f"the server failed: {failure}")
+            log.critical("runtime failed (%r); ended %d requests in flight", failure, count)
 
     async def stream(self, obj: GenerateInput) -> AsyncIterator[Chunk]:
         async for chunk in self.tokenizer_manager.generate(obj):
@@ -101,30 +140,68 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
 
     topology.check()
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_source(topology.model))
+    engine: AsyncEngine | None = None
 
     def make_tokenizer_manager(addresses: dict[str, str]) -> Any:
-        return lambda: TokenizerManager(tokenizer, scheduler=addresses["scheduler"],
-                                        watchdog_timeout=topology.watchdogs.output_timeout)
+        def build() -> TokenizerManager:
+            tm = TokenizerManager(tokenizer, scheduler=addresses["scheduler"],
+                                  watchdog_timeout=topology.watchdogs.output_timeout, on_stall=on_stall)
+            engine._tokenizer_manager = tm
+            return tm
+
+        return build
+
+    def on_stall(report: BaseException) -> None:
+        # no output while requests are in flight: the scheduler hangs where no watchdog of its own sees
+        engine.supervisor.kill("scheduler", report)
 
     with tempfile.TemporaryDirectory(prefix="tercet-") as runtime_dir:
         async with open_hub() as hub, trio.open_nursery() as nursery:
-            engine: AsyncEngine | None = None
+            crashed_at: dict[str, float] = {}
 
             def on_event(event: SupervisorEvent) -> None:
+                if event.child == "scheduler":
+                    engine._scheduler_event(event.kind)
+                if event.kind == "started":
+                    engine._record_start(event.child)
+                if event.kind == "crashed":
+                    crashed_at[event.child] = trio.current_time()
                 # a restarted scheduler or detokenizer lost the requests in flight: resume them
-                if event.kind == "started" and event.child in ("scheduler", "detokenizer") \
-                        and engine is not None and engine.supervisor.restarts.get(event.child):
-                    nursery.start_soon(engine.tokenizer_manager.resubmit_in_flight)
+                if event.kind == "started" and event.child in crashed_at:
+                    engine.recoveries.append(trio.current_time() - crashed_at.pop(event.child))
+                    if event.child in ("scheduler", "detokenizer"):
+                        nursery.start_soon(engine.tokenizer_manager.resubmit_in_flight)
 
             specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), make_tokenizer_manager)
             supervisor = make_supervisor(topology, specs, on_event)
-            await nursery.start(supervisor.run)
             engine = AsyncEngine(supervisor, addresses, topology, tokenizer)
+
+            async def supervise(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                started = False
+
+                def ready(value: Any = None) -> None:
+                    nonlocal started
+                    started = True
+                    task_status.started(value)
+
+                try:
+                    await supervisor.run(task_status=_Status(ready))
+                except Exception as exc:
+                    if not started:
+                        raise
+                    engine.fail(exc)
+
+            await nursery.start(supervise)
             try:
                 yield engine
             finally:
                 await supervisor.stop()
                 nursery.cancel_scope.deadline = trio.current_time() + 30.0
+
+
+class _Status:
+    def __init__(self, started: Any) -> None:
+        self.started = started
 
 
 @asynccontextmanager

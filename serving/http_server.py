@@ -206,7 +206,8 @@ def routes_for(handler: Callable[[Request, ServerState], Awaitable[Response]]) -
         try:
             return await handler(request, state)
         except BadRequest as exc:
-            return error(exc.status, str(exc), param=exc.param)
+            return error(exc.status, str(exc), param=exc.param,
+                         headers={"Retry-After": "1"} if exc.status == 503 else None)
 
     return endpoint
 
@@ -407,11 +408,12 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(topology: Topology, *, on_failure: Callable[[BaseException], None] | None = None) -> Starlette:
+def build_app(topology: Topology) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with open_runtime(topology) as engine:
             app.state.server = ServerState(engine, topology)
+            app.state.ready.set()
             log.info("ready: model %s, topology %s", app.state.server.model_name,
                      {k: v.address for k, v in msgspec.structs.asdict(topology.actors).items()})
             yield
@@ -422,6 +424,7 @@ def build_app(topology: Topology, *, on_failure: Callable[[BaseException], None]
     routes = [Route(path, routes_for(fn), methods=methods) for path, fn, methods in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.ready = trio.Event()
     return app
 
 

@@ -108,10 +108,19 @@ class ServerState:
     # -- gates: pause, and the reader/writer lock around weight updates ----------
 
     async def admit(self) -> None:
-        """Wait while paused or while weights are being replaced; then count as a reader."""
+        """Wait while paused, while weights are replaced, or (bounded) while the
+        scheduler restarts; then count as a reader."""
+        from .http_server import BadRequest
+
         while not self._unpaused.is_set() or self._writing:
             await self._unpaused.wait()
             await self._writer_done.wait()
+        with trio.move_on_after(self.topology.server.request_wait):
+            await self.engine.scheduler_up()
+        if self.engine.failure is not None:
+            raise BadRequest(f"the server failed: {self.engine.failure}", status=503)
+        if "scheduler" not in self.engine.supervisor.running():
+            raise BadRequest("the scheduler is restarting; try again", status=503)
         self._readers += 1
         self._no_readers = trio.Event()
 
@@ -156,6 +165,8 @@ class ServerState:
     async def health_problem(self) -> str | None:
         """None when the scheduler really answers, else why not."""
         supervisor = self.engine.supervisor
+        if self.engine.failure is not None:
+            return f"the server failed: {self.engine.failure}"
         if "scheduler" not in supervisor.running():
             return "scheduler restarting"
         try:

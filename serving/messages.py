@@ -103,6 +103,7 @@ class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     top_logprobs_num: int = 0
     worker: int = 0  # the tokenizer worker that owns the request
     num_prior_output: int = 0  # resume: the last ids of input_ids that were generated
+    replaces: str | None = None  # resume: the rid of the incarnation this one continues
 
 
 class AbortReq(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -151,6 +152,7 @@ class DecodeInit(msgspec.Struct, array_like=True, gc=False):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     prior_ids: list[int] = []  # resume: generated ids whose text the client already has
+    replaces: str | None = None  # resume: the rid whose state this one takes over
 
 
 class BatchTokenIDOut(msgspec.Struct, tag=True, array_like=True, gc=False):

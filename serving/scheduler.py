@@ -200,7 +200,7 @@ def _batch_out(outputs: list[Output]) -> BatchTokenIDOut:
             inits.append(DecodeInit(
                 req.rid, req.worker, list(s.stop), s.skip_special_tokens,
                 s.spaces_between_special_tokens, s.no_stop_trim,
-                req.tokens[req.num_prompt : req.num_prompt + req.num_prior],
+                req.tokens[req.num_prompt : req.num_prompt + req.num_prior], req.replaces,
             ))
     with_logprobs = any(o.req.return_logprob for o in outputs)
     return BatchTokenIDOut(

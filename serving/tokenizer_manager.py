@@ -77,6 +77,10 @@ class Chunk:
 
 @dataclass(eq=False)
 class ReqState:
+    """One sub-request. Downstream it is known as ``wire_rid`` (rid and epoch), so
+    outputs still on their way from an incarnation that a resume replaced are
+    recognised and ignored: no duplicate, no gap."""
+
     rid: str
     index: int
     prompt_ids: list[int]
@@ -89,9 +93,14 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     finished: FinishReason | None = None
     pending: list[Chunk] = field(default_factory=list)
+    epoch: int = 0  # incarnations downstream: each resume starts a new one
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+
+    @property
+    def wire_rid(self) -> str:
+        return f"{self.rid}#{self.epoch}"
 
 
 class TokenizerManager(Actor):
@@ -104,6 +113,8 @@ class TokenizerManager(Actor):
         self.scheduler = scheduler
         self.worker = worker
         self.rid_to_state: dict[str, ReqState] = {}
+        self._by_wire_rid: dict[str, ReqState] = {}
+        self.resumed = 0
         self.on_stall = on_stall
         self.watchdog = SoftWatchdog("tokenizer manager receive", watchdog_timeout,
                                      busy=lambda: bool(self.rid_to_state), on_fire=self._stalled)
@@ -128,10 +139,11 @@ class TokenizerManager(Actor):
 
     def _handle_batch_output(self, out: BatchStrOut) -> None:
         now = time.monotonic()
-        for i, rid in enumerate(out.rids):
-            state = self.rid_to_state.get(rid)
+        for i, wire_rid in enumerate(out.rids):
+            state = self._by_wire_rid.get(wire_rid)
             if state is None or state.finished is not None:
-                continue  # aborted by its caller already; its state is gone
+                continue  # gone (its caller left), or an incarnation a resume replaced
+            rid = state.rid
             ids, text = out.new_token_ids[i], out.texts[i]
             state.text += text
             state.output_ids.extend(ids)
@@ -225,6 +237,7 @@ class TokenizerManager(Actor):
         ]
         for state in states:
             self.rid_to_state[state.rid] = state
+            self._by_wire_rid[state.wire_rid] = state
         try:
             for state in states:
                 await self._submit(state)
@@ -242,22 +255,30 @@ class TokenizerManager(Actor):
                 for state in states:
                     if state.finished is None:
                         state.finished = FinishReason("abort", message="the client went away")
-                        await self.ctx.send(self.scheduler, AbortReq(state.rid, "the client went away"))
+                        await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, "the client went away"))
             for state in states:
                 del self.rid_to_state[state.rid]
+                del self._by_wire_rid[state.wire_rid]
 
     async def _submit(self, state: ReqState, *, resume: bool = False) -> None:
+        replaces = None
+        if resume:
+            replaces = state.wire_rid
+            del self._by_wire_rid[replaces]
+            state.epoch += 1
+            self._by_wire_rid[state.wire_rid] = state
         ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
         await self.ctx.send(self.scheduler, GenerateReq(
-            state.rid, ids, state.sampling, state.stream, state.return_logprob,
-            state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0,
+            state.wire_rid, ids, state.sampling, state.stream, state.return_logprob,
+            state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces,
         ))
 
     async def abort(self, rid: str, message: str = "aborted by request") -> bool:
         """Abort a request by id; False when no such request is in flight."""
-        if rid not in self.rid_to_state:
+        state = self.rid_to_state.get(rid)
+        if state is None:
             return False
-        await self.ctx.send(self.scheduler, AbortReq(rid, message))
+        await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
         return True
 
     async def resubmit_in_flight(self) -> int:
@@ -266,6 +287,21 @@ class TokenizerManager(Actor):
         for state in list(self.rid_to_state.values()):
             if state.finished is None:
                 await self._submit(state, resume=True)
+                count += 1
+        self.resumed += count
+        if count:
+            log.warning("resumed %d requests in flight", count)
+        return count
+
+    def fail_all(self, message: str, status_code: int = 503) -> int:
+        """End every request in flight with an error (the runtime gave up)."""
+        count = 0
+        for state in self.rid_to_state.values():
+            if state.finished is None:
+                state.finished = FinishReason("abort", message=message, status_code=status_code)
+                state.pending.append(Chunk(state.index, state.rid, "", [], state.finished, len(state.prompt_ids),
+                                           len(state.output_ids), 0))
+                state.notify()
                 count += 1
         return count
 

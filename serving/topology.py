@@ -72,6 +72,8 @@ class WatchdogSection(msgspec.Struct, forbid_unknown_fields=True):
 class Placement(msgspec.Struct, forbid_unknown_fields=True):
     address: str
     process: Literal["main", "child"] = "main"
+    target: str | None = None  # a child process's factory "module:function" (custom or test actors)
+    args: dict[str, Any] = {}  # extra keyword arguments for ``target``
 
 
 class ActorsSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -217,16 +219,18 @@ def build_children(topology: Topology, hub: Any, tokenizer: Any, runtime_dir: Pa
     config = topology.scheduler_config(addresses["detokenizer"])
     detok_args = {"address": addresses["detokenizer"], "tokenizer": tokenizer_source(topology.model),
                   "workers": [addresses["tokenizer"]], "scheduler": addresses["scheduler"]}
-    if topology.actors.scheduler.process == "child":
+    placement = topology.actors.scheduler
+    if placement.process == "child":
         scheduler = lambda: ProcessChild(  # noqa: E731
-            "serving.scheduler:scheduler_child",
-            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config)},
+            placement.target or "serving.scheduler:scheduler_child",
+            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config), **placement.args},
             name="scheduler", kill_after=grace)
     else:
         scheduler = lambda: ActorChild(lambda: Scheduler(config), addresses["scheduler"], hub)  # noqa: E731
     if topology.actors.detokenizer.process == "child":
         detokenizer = lambda: ProcessChild(  # noqa: E731
-            "serving.detokenizer:detokenizer_child", detok_args, name="detokenizer", kill_after=grace)
+            topology.actors.detokenizer.target or "serving.detokenizer:detokenizer_child",
+            {**detok_args, **topology.actors.detokenizer.args}, name="detokenizer", kill_after=grace)
     else:
         from .detokenizer import DetokenizerManager
 

@@ -170,3 +170,18 @@ def ChildSpecStub(name):
     from actors import ChildSpec
 
     return ChildSpec(name, lambda: None)
+
+
+async def test_kill_is_a_crash_with_the_given_reason(autojump_clock):
+    async with open_harness() as h:
+        out = await h.probe("inproc://out", Pong)
+        sup = await h.start_supervisor("sup", trio_of(h, []))
+        h.faults("b").hang()
+        await h.send("inproc://b", Ping(1))  # b is stuck in a handler
+        assert sup.kill("b", TimeoutError("b stopped answering"))
+        crash = await h.wait_event(lambda e: e.kind == "crashed")
+        assert isinstance(crash.reason, TimeoutError)
+        await h.wait_event(lambda e: h.count("started", "b") == 2)
+        await h.send("inproc://b", Ping(2))
+        assert (await out.expect(Pong)).n == 2
+        assert not sup.kill("nope", TimeoutError())

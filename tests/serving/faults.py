@@ -1,0 +1,36 @@
+"""Schedulers that misbehave on purpose, run in child processes by the recovery tests."""
+
+import os
+import time
+
+import msgspec
+
+from actors import ActorChild
+from serving.scheduler import Scheduler, SchedulerConfig
+
+
+class HangingScheduler(Scheduler):
+    """Its model step blocks forever once, after ``steps`` steps (marker file: only once)."""
+
+    def __init__(self, config, steps: int, marker: str) -> None:
+        super().__init__(config)
+        self.hang_after = steps
+        self.marker = marker
+
+    async def on_start(self, ctx):
+        await super().on_start(ctx)
+        runner, real_step, count = self.runner, self.runner.step, [0]
+
+        def step(seqs):
+            count[0] += 1
+            if count[0] > self.hang_after and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                time.sleep(1e9)  # a kernel that never returns
+            return real_step(seqs)
+
+        runner.step = step
+
+
+def hanging_scheduler_child(hub, *, address, config, steps, marker):
+    parsed = msgspec.convert(config, SchedulerConfig)
+    return ActorChild(lambda: HangingScheduler(parsed, steps, marker), address, hub)
