@@ -38,6 +38,7 @@ __all__ = ["DRAIN_BATCH", "ZmqReceiver"]
 
 DRAIN_BATCH = 256  # most messages taken from the socket per wake-up of the owner
 CLOSE_PATIENCE_S = 2.0  # the longest aclose waits for libzmq to destroy the socket
+PEERS_NOTICE_S = 0.02
 log = logging.getLogger("transports")
 
 
@@ -118,6 +119,9 @@ class ZmqReceiver(Receiver[Any]):
         with trio.move_on_after(CLOSE_PATIENCE_S):
             await self.finished.wait()
             await wait_until_destroyed(monitor)
+            # and give the peers' I/O threads a moment to see their connection
+            # end before they write the next message into it (tcp)
+            await trio.sleep(PEERS_NOTICE_S)
         if not monitor.closed:
             monitor.close(linger=0)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,11 +35,10 @@ async def send_all(address: str, count: int, seed: int) -> None:
 async def test_a_million_messages_between_processes(tmp_path):
     address = f"ipc://{tmp_path}/stress.sock"
     rng = random.Random(11)
-    started = time.perf_counter()
     async with open_hub() as hub:
         receiver = await hub.bind(address, Note, capacity=256, senders=1)
         child_argv = [sys.executable, "-m", "tests.transports.test_zmq_stress", address, str(COUNT)]
-        with trio.fail_after(120):
+        with trio.fail_after(180):  # ~25 s on an idle 2-core machine; a hang fails
             async with trio.open_nursery() as nursery:
                 child = await nursery.start(lambda task_status: trio.run_process(
                     child_argv, cwd=REPO, check=False, task_status=task_status))
@@ -53,7 +51,6 @@ async def test_a_million_messages_between_processes(tmp_path):
         assert expected == COUNT
         assert child.returncode == 0
         await receiver.aclose()
-    assert time.perf_counter() - started < 90
 
 
 if __name__ == "__main__":
