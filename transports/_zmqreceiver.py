@@ -25,8 +25,8 @@ import zmq
 
 from .base import Address, DropCounter, Receiver
 from .codec import CodecError, Decoder
-from ._zmqsender import YIELD_EVERY
 from ._zmqsocket import (
+    YIELD_EVERY,
     close_socket,
     is_closed_error,
     recv_parts,
@@ -38,7 +38,7 @@ __all__ = ["DRAIN_BATCH", "ZmqReceiver"]
 
 DRAIN_BATCH = 256  # most messages taken from the socket per wake-up of the owner
 CLOSE_PATIENCE_S = 2.0  # the longest aclose waits for libzmq to destroy the socket
-PEERS_NOTICE_S = 0.02
+PEERS_NOTICE_S = 0.02  # ...and then for peers in this process to see their connection end
 log = logging.getLogger("transports")
 
 
@@ -63,6 +63,7 @@ class ZmqReceiver(Receiver[Any]):
         self._to_user, self._from_owner = trio.open_memory_channel[Any](capacity)
         self._ends_left = math.inf if senders is None else senders
         self._unyielded = 0
+        self._closing = False
         self._failure: str | None = None
         self._owner_scope = trio.CancelScope()
         self._forget = forget
@@ -111,9 +112,10 @@ class ZmqReceiver(Receiver[Any]):
         what they send next and give it to the next receiver bound here.
         """
         self._from_owner.close()
-        if self.finished.is_set():
-            await trio.lowlevel.checkpoint()
+        if self._closing or self.finished.is_set():
+            await self.finished.wait()
             return
+        self._closing = True
         monitor = self._sock.get_monitor_socket(zmq.EVENT_MONITOR_STOPPED, self._monitor_address)
         self._owner_scope.cancel()
         with trio.move_on_after(CLOSE_PATIENCE_S):

@@ -28,12 +28,11 @@ import zmq
 
 from .base import Address, Frames, Sender
 from .codec import Encoder
-from ._zmqsocket import close_socket, is_closed_error, send_parts, wait_to_retry
+from ._zmqsocket import YIELD_EVERY, close_socket, is_closed_error, send_parts, wait_to_retry
 
-__all__ = ["END_OF_STREAM", "YIELD_EVERY", "ZmqSender"]
+__all__ = ["END_OF_STREAM", "ZmqSender"]
 
 END_OF_STREAM = b""  # a message of one empty frame; a msgpack header is never empty
-YIELD_EVERY = 32  # a send or receive that did not block still yields this often
 
 
 class ZmqSender(Sender):

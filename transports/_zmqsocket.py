@@ -27,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 from .base import AddressError
 
 __all__ = [
+    "YIELD_EVERY",
     "RECONNECT_IVL_MAX_MS",
     "RECONNECT_IVL_MS",
     "close_socket",
@@ -38,6 +39,7 @@ __all__ = [
     "wait_to_retry",
 ]
 
+YIELD_EVERY = 32  # a send or receive that did not block still yields this often
 RECONNECT_IVL_MS = 10  # a restarted receiver is found again within ~10 ms
 RECONNECT_IVL_MAX_MS = 200  # ...backing off to 200 ms while nobody is bound
 

@@ -239,3 +239,12 @@ async def test_messages_sent_right_after_a_rebind_are_never_lost(wire_address):
         receiver = await hub.bind(wire_address, Note)
         await sender.aclose()
         await receiver.aclose()
+
+
+async def test_receiver_closed_after_the_hub_raises_closed_resource(wire_address):
+    async with open_hub() as hub:
+        receiver = await hub.bind(wire_address, Note)
+    await receiver.aclose()
+    await receiver.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await receiver.receive()
