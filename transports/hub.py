@@ -23,8 +23,10 @@ DEFAULT_CAPACITY = 1024
 
 
 class Hub:
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery, *, curve: Any = None) -> None:
+        """``curve``: a ``transports.zmq.CurveConfig`` securing every tcp channel."""
         self._nursery = nursery
+        self._curve = curve
         self._transports: dict[str, Any] = {"inproc": InprocTransport()}
 
     def _transport(self, address: Address) -> Any:
@@ -38,7 +40,7 @@ class Hub:
             from .zmq import ZmqTransport
         except ImportError as exc:  # pragma: no cover - the seam for ipc/tcp
             raise AddressError(f"no transport for {scheme}://: {exc}") from exc
-        return ZmqTransport(self._nursery, scheme)
+        return ZmqTransport(self._nursery, scheme, curve=self._curve if scheme == "tcp" else None)
 
     async def bind(self, address: str | Address, type_: Any, *,
                    capacity: int = DEFAULT_CAPACITY, senders: int | None = None) -> Receiver:
@@ -62,9 +64,9 @@ class Hub:
 
 
 @asynccontextmanager
-async def open_hub(hub_type: type[Hub] = Hub) -> AsyncIterator[Hub]:
+async def open_hub(hub_type: type[Hub] = Hub, *, curve: Any = None) -> AsyncIterator[Hub]:
     async with trio.open_nursery() as nursery:
-        hub = hub_type(nursery)
+        hub = hub_type(nursery) if curve is None else hub_type(nursery, curve=curve)
         try:
             yield hub
         finally:

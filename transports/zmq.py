@@ -3,12 +3,15 @@
 Sockets: a receiver binds a ROUTER, a sender connects a DEALER (a raw peer
 must be a DEALER too). Every message is a header frame (msgpack, from
 :class:`~transports.codec.Encoder`) followed by one frame per numpy array,
-sent and received without copies. An end-of-stream is one empty frame; the
+sent and received without copies (pyzmq copies arrays under 64 KiB anyway;
+do not modify an array after sending it). An end-of-stream is one empty frame; the
 receiver answers it with an acknowledgement once it holds everything sent
 before it, and only then does ``Sender.aclose()`` return.
 
 Each socket is owned by one task in the hub's nursery: the only task that
-ever waits on the socket's edge-triggered FD. See ``_zmqsocket`` for the
+ever waits on the socket's edge-triggered FD. (One shortcut: a ``send``
+while the owner has nothing queued puts the frames on the socket itself,
+non-blocking; the owner is then idle, so no FD wake-up can be stolen.) See ``_zmqsocket`` for the
 pitfalls handled, ``_zmqsender`` and ``_zmqreceiver`` for the two ends.
 
 Backpressure: a receiver's ``capacity`` sizes its channel and its receive

@@ -248,3 +248,18 @@ async def test_receiver_closed_after_the_hub_raises_closed_resource(wire_address
     await receiver.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await receiver.receive()
+
+
+async def test_curve_configured_on_the_hub_secures_its_tcp_channels(curve_keys):
+    keys, authorized = curve_keys
+    server = CurveConfig(secret_file=keys["server"][1], authorized_dir=authorized)
+    client = CurveConfig(secret_file=keys["client"][1], server_public_file=keys["server"][0])
+    async with open_hub(curve=server) as server_hub, open_hub(curve=client) as client_hub:
+        receiver = await server_hub.bind("tcp://127.0.0.1:0", Note)
+        async with await client_hub.connect(receiver.address) as sender:
+            await sender.send(Note(0, 5))
+            with trio.fail_after(5):
+                assert (await receiver.receive()).seq == 5
+        with pytest.raises(ValueError, match="server_public_file"):
+            await server_hub.connect(receiver.address)  # its config has no server key
+        await receiver.aclose()
