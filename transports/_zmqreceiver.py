@@ -118,14 +118,16 @@ class ZmqReceiver(Receiver[Any]):
         self._closing = True
         monitor = self._sock.get_monitor_socket(zmq.EVENT_MONITOR_STOPPED, self._monitor_address)
         self._owner_scope.cancel()
-        with trio.move_on_after(CLOSE_PATIENCE_S):
-            await self.finished.wait()
-            await wait_until_destroyed(monitor)
-            # and give the peers' I/O threads a moment to see their connection
-            # end before they write the next message into it (tcp)
-            await trio.sleep(PEERS_NOTICE_S)
-        if not monitor.closed:
-            monitor.close(linger=0)
+        try:
+            with trio.move_on_after(CLOSE_PATIENCE_S):
+                await self.finished.wait()
+                await wait_until_destroyed(monitor)
+                # and give the peers' I/O threads a moment to see their
+                # connection end before they write the next message into it
+                await trio.sleep(PEERS_NOTICE_S)
+        finally:
+            if not monitor.closed:
+                monitor.close(linger=0)
 
     def abort(self, reason: str) -> None:
         if self._failure is None and not self.finished.is_set():
