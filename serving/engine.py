@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import trio
 
-from actors import Supervisor, SupervisorEvent
+from actors import RestartIntensityExceeded, Supervisor, SupervisorEvent
 from transports import open_hub
 
 from .messages import SamplingParams
@@ -58,6 +58,7 @@ class AsyncEngine:
         self._scheduler_up = trio.Event()
         self._scheduler_up.set()
         self.starts: dict[str, int] = {}
+        self.crashes: dict[tuple[str, str], int] = {}  # (actor, cause) → count
         self._start_seen = trio.Event()
 
     async def started(self, child: str, times: int) -> None:
@@ -160,12 +161,18 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
             crashed_at: dict[str, float] = {}
 
             def on_event(event: SupervisorEvent) -> None:
+                if event.kind == "escalated" and event.supervisor == "server":
+                    # fail the requests before the children are stopped (that takes a while)
+                    engine.fail(RestartIntensityExceeded(event.supervisor, topology.supervision.max_restarts,
+                                                         topology.supervision.within, event.reason))
                 if event.child == "scheduler":
                     engine._scheduler_event(event.kind)
                 if event.kind == "started":
                     engine._record_start(event.child)
                 if event.kind == "crashed":
                     crashed_at[event.child] = trio.current_time()
+                    key = (event.child, type(event.reason).__name__)
+                    engine.crashes[key] = engine.crashes.get(key, 0) + 1
                 # a restarted scheduler or detokenizer lost the requests in flight: resume them
                 if event.kind == "started" and event.child in crashed_at:
                     engine.recoveries.append(trio.current_time() - crashed_at.pop(event.child))
@@ -189,7 +196,8 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
                 except Exception as exc:
                     if not started:
                         raise
-                    engine.fail(exc)
+                    if engine.failure is None:
+                        engine.fail(exc)
 
             await nursery.start(supervise)
             try:

@@ -43,6 +43,11 @@ class Metrics:
         self.running = Gauge("tercet_num_running_reqs", "Requests running in the scheduler", registry=r)
         self.kv_usage = Gauge("tercet_kv_cache_usage", "Fraction of KV pages in use or cached", registry=r)
         self.restarts = Gauge("tercet_restarts", "Restarts of an actor by its supervisor", ["actor"], registry=r)
+        self.crashes = Gauge("tercet_crashes", "Crashes of an actor, by cause", ["actor", "cause"], registry=r)
+        self.resumed = Gauge("tercet_resumed_requests", "Requests resumed after a restart", registry=r)
+        self.recovery = Histogram("tercet_recovery_seconds", "From a crash to the restarted actor's readiness",
+                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self._recoveries_seen = 0
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -57,8 +62,15 @@ class Metrics:
             self.running.set(info["running"])
             total = info["kv_pages_total"] or 1
             self.kv_usage.set(1 - info["kv_pages_free"] / total)
-        for actor, count in state.engine.supervisor.restarts.items():
+        engine = state.engine
+        for actor, count in engine.supervisor.restarts.items():
             self.restarts.labels(actor).set(count)
+        for (actor, cause), count in engine.crashes.items():
+            self.crashes.labels(actor, cause).set(count)
+        self.resumed.set(engine.tokenizer_manager.resumed)
+        for seconds in engine.recoveries[self._recoveries_seen :]:
+            self.recovery.observe(seconds)
+        self._recoveries_seen = len(engine.recoveries)
         return generate_latest(self.registry)
 
 

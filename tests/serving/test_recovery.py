@@ -17,12 +17,12 @@ N_REQUESTS = 32
 RECOVERY = {"model.dtype": "float32", "supervision.max_restarts": 20}
 
 
-def requests_for(seed, n=N_REQUESTS, **sampling):
-    rng = random.Random(seed)
+def requests_for(rng_seed, n=N_REQUESTS, **sampling):
+    rng = random.Random(rng_seed)
     return [
         {"input_ids": [rng.randrange(3, 49152) for _ in range(rng.randint(4, 40))],
          "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0.0, **sampling},
-         "rid": f"req-{seed}-{i}"}
+         "rid": f"req-{rng_seed}-{i}"}
         for i in range(n)
     ]
 
@@ -49,12 +49,32 @@ async def run_all(client, bodies, stream, texts, progress=None):
             nursery.start_soon(one, body)
 
 
-async def baseline(nursery, bodies):
-    url, _ = await start_server(nursery, "single-process", **{"model.dtype": "float32"})
-    texts = {}
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        await run_all(client, bodies, False, texts)
-    return texts
+@pytest.fixture(scope="module")
+def runner(tiny_loaded):
+    import torch
+
+    from models.runner import ModelRunner
+
+    return ModelRunner(tiny_loaded, dtype=torch.float32)
+
+
+@pytest.fixture
+def baseline(runner, tokenizer):
+    """What a fault-free server answers: the runner's own output (the engine
+    tests show the two agree), decoded as the detokenizer does."""
+    from models.runner import generate
+    from serving.batching import to_model_sampling
+    from serving.messages import SamplingParams
+
+    def expected(bodies):
+        out = {}
+        for body in bodies:
+            sampling = SamplingParams(**body["sampling_params"])
+            ids = generate(runner, [body["input_ids"]], sampling.max_new_tokens, to_model_sampling(sampling))[0]
+            out[body["rid"]] = (tokenizer.decode(ids, skip_special_tokens=True), ids)
+        return out
+
+    return expected
 
 
 def scheduler_pid(app):
@@ -67,9 +87,9 @@ def assert_clean(app):
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
-async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, stream):
+async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, baseline, stream):
     bodies = requests_for(1)
-    expected = await baseline(nursery, bodies)
+    expected = baseline(bodies)
     url, app = await start_server(nursery, "default", **RECOVERY)
     texts, done = {}, []
     rng = random.Random(2)
@@ -90,9 +110,9 @@ async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, st
     assert_clean(app)
 
 
-async def test_seeded_sampling_survives_kills(nursery):
+async def test_seeded_sampling_survives_kills(nursery, baseline):
     bodies = requests_for(3, n=8, temperature=0.8, seed=11)
-    expected = await baseline(nursery, bodies)
+    expected = baseline(bodies)
     url, app = await start_server(nursery, "default", **RECOVERY)
     texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -103,9 +123,9 @@ async def test_seeded_sampling_survives_kills(nursery):
     assert texts == expected
 
 
-async def test_detokenizer_kill_loses_and_repeats_nothing(nursery):
+async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline):
     bodies = requests_for(4, n=16)
-    expected = await baseline(nursery, bodies)
+    expected = baseline(bodies)
     url, app = await start_server(nursery, "default", **RECOVERY)
     texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -117,9 +137,9 @@ async def test_detokenizer_kill_loses_and_repeats_nothing(nursery):
     assert_clean(app)
 
 
-async def test_a_frozen_scheduler_is_killed_by_the_output_watchdog(nursery):
+async def test_a_frozen_scheduler_is_killed_by_the_output_watchdog(nursery, baseline):
     bodies = requests_for(5, n=8)
-    expected = await baseline(nursery, bodies)
+    expected = baseline(bodies)
     url, app = await start_server(nursery, "default", **RECOVERY, **{"watchdogs.output_timeout": 2.0})
     texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -133,9 +153,9 @@ async def test_a_frozen_scheduler_is_killed_by_the_output_watchdog(nursery):
     assert app.state.server.engine.supervisor.restarts["scheduler"] == 1
 
 
-async def test_a_step_that_never_returns_trips_the_step_watchdog(nursery, tmp_path):
+async def test_a_step_that_never_returns_trips_the_step_watchdog(nursery, baseline, tmp_path):
     bodies = requests_for(6, n=8)
-    expected = await baseline(nursery, bodies)
+    expected = baseline(bodies)
     hang = {"process": "child", "address": "ipc://{runtime_dir}/scheduler",
             "target": "tests.serving.faults:hanging_scheduler_child",
             "args": {"steps": 5, "marker": str(tmp_path / "hung-once")}}
@@ -147,3 +167,85 @@ async def test_a_step_that_never_returns_trips_the_step_watchdog(nursery, tmp_pa
     assert texts == expected
     assert (tmp_path / "hung-once").exists()
     assert app.state.server.engine.supervisor.restarts["scheduler"] == 1
+
+
+async def test_past_the_restart_intensity_requests_fail_fast_and_the_server_exits_non_zero(tmp_path):
+    """A real `tercet serve` process: two kills within the window of max_restarts=1."""
+    import subprocess
+    import sys
+
+    from ..conftest import free_tcp_port
+
+    port = free_tcp_port()
+    config = tmp_path / "fragile.yaml"
+    config.write_text(
+        "model: {path: tiny, dtype: float32}\n"
+        f"server: {{host: 127.0.0.1, port: {port}}}\n"
+        "supervision: {max_restarts: 1, within: 600}\n"
+        "actors:\n"
+        "  scheduler:   {process: child, address: 'ipc://{runtime_dir}/scheduler'}\n"
+        "  detokenizer: {process: child, address: 'ipc://{runtime_dir}/detokenizer'}\n"
+        "  tokenizer:   {process: main, address: 'ipc://{runtime_dir}/tokenizer'}\n"
+    )
+    server = await trio.lowlevel.open_process([sys.executable, "-m", "serving.cli", "serve", "--config", str(config)],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            with trio.fail_after(120):
+                while True:
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.ConnectError:
+                        pass
+                    await trio.sleep(0.1)  # the server is starting in another process
+            results = {}
+
+            streaming = trio.Semaphore(0)
+
+            async def long_request(i):
+                body = {"input_ids": [5 + i, 6, 7], "stream": i % 2 == 0,
+                        "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+                async with client.stream("POST", "/generate", json=body) as r:
+                    text = ""
+                    async for piece in r.aiter_text():  # read to the end
+                        if not text and body["stream"]:
+                            streaming.release()
+                        text += piece
+                results[i] = (r.status_code, text, trio.current_time())
+
+            children = set()
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(long_request, i)
+                for _ in range(2):  # both streams are flowing
+                    await streaming.acquire()
+                for kill in range(2):
+                    with trio.fail_after(60):  # wait for a serving scheduler
+                        while (await client.get("/health")).status_code != 200:
+                            await trio.sleep(0.1)
+                    pids = (await client.get("/server_info")).json()["pids"]
+                    children.update(pids.values())
+                    os.kill(pids["scheduler"], signal.SIGKILL)
+                    failed_at = trio.current_time()
+                with trio.fail_after(5):
+                    while len(results) < 4:
+                        await trio.sleep(0.01)
+                health = await client.get("/health")
+            assert health.status_code == 503 and "failed" in health.text
+            assert all(t - failed_at < 1.0 for _, _, t in results.values()), (failed_at, results)
+            for i, (status, text, _) in results.items():
+                if i % 2:  # non-streaming: 503
+                    assert status == 503 and "failed" in text, text
+                else:  # streaming: an error event, then [DONE]
+                    assert '"error"' in text and text.endswith("data: [DONE]\n\n"), text
+        with trio.fail_after(30):
+            code = await server.wait()
+        assert code != 0
+        for pid in children:  # no orphans
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        server.kill()
+        await server.wait()
