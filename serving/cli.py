@@ -82,6 +82,7 @@ async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseExcept
     config.bind = [f"{topology.server.host}:{topology.server.port}"]
     config.accesslog = None
     config.graceful_timeout = 5.0
+    config.startup_timeout = 900  # the first start converts the GGUF weights
     app = build_app(topology)
 
     async def shutdown_trigger() -> None:

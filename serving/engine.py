@@ -177,6 +177,7 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
                 if event.kind == "started" and event.child in crashed_at:
                     engine.recoveries.append(trio.current_time() - crashed_at.pop(event.child))
                     if event.child in ("scheduler", "detokenizer"):
+                        engine.tokenizer_manager.watchdog.feed()  # the new one gets a full timeout
                         nursery.start_soon(engine.tokenizer_manager.resubmit_in_flight)
 
             specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), make_tokenizer_manager)

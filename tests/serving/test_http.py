@@ -19,6 +19,7 @@ async def start_server(nursery, config="single-process", **overrides):
     hc = Config()
     hc.bind = [f"127.0.0.1:{topology.server.port}"]
     hc.accesslog = None
+    hc.startup_timeout = 600  # child processes load the model before the server is ready
     app = build_app(topology)
     await nursery.start(serve, app, hc)
     return f"http://127.0.0.1:{topology.server.port}", app

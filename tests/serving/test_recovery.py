@@ -110,46 +110,52 @@ async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, ba
     assert_clean(app)
 
 
-async def test_seeded_sampling_survives_kills(nursery, baseline):
-    bodies = requests_for(3, n=8, temperature=0.8, seed=11)
-    expected = baseline(bodies)
-    url, app = await start_server(nursery, "default", **RECOVERY)
+async def run_with_fault(nursery, bodies, fault, **overrides):
+    """Stream ``bodies`` through a default-topology server; ``fault(app, client)`` strikes
+    once tokens are flowing. The texts the clients received, and the app."""
+    url, app = await start_server(nursery, "default", **RECOVERY, **overrides)
+    tm = app.state.server.engine.tokenizer_manager
     texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         async with trio.open_nursery() as inner:
             inner.start_soon(run_all, client, bodies, True, texts)
-            await trio.sleep(0.5)
-            os.kill(scheduler_pid(app), signal.SIGKILL)
-    assert texts == expected
+            while not any(state.output_ids for state in tm.rid_to_state.values()):
+                await trio.sleep(0.01)
+            await fault(app, client)
+    return texts, app
+
+
+async def kill_scheduler(app, client):
+    os.kill(scheduler_pid(app), signal.SIGKILL)
+
+
+async def test_seeded_sampling_survives_kills(nursery, baseline):
+    bodies = requests_for(3, n=8, temperature=0.8, seed=11)
+    texts, _ = await run_with_fault(nursery, bodies, kill_scheduler)
+    assert texts == baseline(bodies)
 
 
 async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline):
+    async def kill_detokenizer(app, client):
+        os.kill(app.state.server.engine.supervisor.child("detokenizer").pid, signal.SIGKILL)
+
     bodies = requests_for(4, n=16)
-    expected = baseline(bodies)
-    url, app = await start_server(nursery, "default", **RECOVERY)
-    texts = {}
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        async with trio.open_nursery() as inner:
-            inner.start_soon(run_all, client, bodies, True, texts)
-            await trio.sleep(0.5)
-            os.kill(app.state.server.engine.supervisor.child("detokenizer").pid, signal.SIGKILL)
-    assert texts == expected
+    texts, app = await run_with_fault(nursery, bodies, kill_detokenizer)
+    assert texts == baseline(bodies)
+    assert app.state.server.engine.supervisor.restarts["detokenizer"] == 1
     assert_clean(app)
 
 
 async def test_a_frozen_scheduler_is_killed_by_the_output_watchdog(nursery, baseline):
+    async def freeze(app, client):
+        os.kill(scheduler_pid(app), signal.SIGSTOP)  # hung: alive, silent
+        with trio.fail_after(30):  # the output watchdog (3 s) notices and kills it
+            while (await client.get("/health")).status_code == 200:
+                await trio.sleep(0.05)
+
     bodies = requests_for(5, n=8)
-    expected = baseline(bodies)
-    url, app = await start_server(nursery, "default", **RECOVERY, **{"watchdogs.output_timeout": 2.0})
-    texts = {}
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        async with trio.open_nursery() as inner:
-            inner.start_soon(run_all, client, bodies, True, texts)
-            await trio.sleep(0.3)
-            os.kill(scheduler_pid(app), signal.SIGSTOP)  # hung: alive, silent
-            await trio.sleep(0.5)
-            assert (await client.get("/health")).status_code == 503
-    assert texts == expected
+    texts, app = await run_with_fault(nursery, bodies, freeze, **{"watchdogs.output_timeout": 3.0})
+    assert texts == baseline(bodies)
     assert app.state.server.engine.supervisor.restarts["scheduler"] == 1
 
 
