@@ -1,0 +1,31 @@
+"""benchmarks/bench_recovery.py --smoke: a real `tercet serve` (tiny model,
+float32), its scheduler killed -9 under load; every request completes with
+the fault-free text."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_bench_recovery_smoke(tmp_path):
+    out = tmp_path / "recovery.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_recovery", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "recovery (kill -> first resumed token" in proc.stdout  # the table
+    report = json.loads(out.read_text())
+    for key in ("recovery_s", "max_gap_s", "completed", "failed", "model_load_s", "restart_s",
+                "identical_to_fault_free", "target_met", "per_kill"):
+        assert key in report, key
+    assert report["failed"] == 0 and report["errors"] == []
+    assert report["completed"] == report["requests"] > 0
+    assert report["identical_to_fault_free"] is True
+    assert report["restarts"] == report["kills"] == len(report["per_kill"]) == 1
+    # the new scheduler had to start and load the model: no token comes back at once
+    assert report["model_load_s"] > 0 and report["restart_s"] > 0
+    kill = report["per_kill"][0]
+    assert 0 < kill["down_s"] < kill["up_s"] and kill["down_s"] < report["recovery_s"]
+    assert report["max_gap_s"] >= report["recovery_s"] - kill["down_s"]
