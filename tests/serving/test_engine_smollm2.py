@@ -19,7 +19,12 @@ from serving.tokenizer_manager import GenerateInput
 pytestmark = pytest.mark.slow
 
 FRANCE = "What is the capital of France?"
-QUESTIONS = [  # chat prompts of different lengths, decoded together
+# Greedy decoding is exact only for the same batch composition and the same
+# prefill split: bf16 (and even fp32) sums differ with the batch and with a
+# prefix-cache hit, and SmolLM2 has near-ties. So each prompt runs alone, with
+# the prefix cache off, and compares with the runner's batch-of-one output.
+# (Batched greedy equality is tested on the tiny model in test_engine.py.)
+QUESTIONS = [  # chat prompts of different lengths
     FRANCE,
     "Name three colours.",
     "Write one sentence about a small robot who likes tea, in the style of a children's book.",
@@ -56,7 +61,7 @@ def smollm2():
     prompts = [chat_ids(q) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) == len(prompts)
     runner = ModelRunner(loaded, dtype=torch.bfloat16)  # the scheduler's default dtype
-    expected = in_thread(generate, runner, prompts, NEW_TOKENS)
+    expected = [in_thread(generate, runner, [p], NEW_TOKENS)[0] for p in prompts]
     return {"prompts": prompts, "expected": expected, "chat_ids": chat_ids}
 
 
@@ -71,9 +76,9 @@ def has_emoji(text):
 @pytest.mark.parametrize("processes", [False, True], ids=["inproc", "ipc"])
 async def test_smollm2_engine(smollm2, processes):
     greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    async with open_engine(None, processes=processes) as engine:
-        # 1. greedy, batched, equals the runner's own greedy output
-        results = await engine.generate(smollm2["prompts"], greedy)
+    async with open_engine(None, processes=processes, enable_prefix_cache=False) as engine:
+        # 1. greedy equals the runner's own greedy output
+        results = [(await engine.generate([p], greedy))[0] for p in smollm2["prompts"]]
         assert [r["output_ids"] for r in results] == smollm2["expected"]
         assert [r["prompt_tokens"] for r in results] == [len(p) for p in smollm2["prompts"]]
         assert "Paris" in results[0]["text"]
@@ -91,11 +96,12 @@ async def test_smollm2_engine(smollm2, processes):
         questions = [FRANCE, CHINESE, EMOJI]
         prompts = [smollm2["chat_ids"](q) for q in questions]
         params = SamplingParams(max_new_tokens=24, temperature=0.0)
-        whole = [r["text"] for r in await engine.generate(prompts, params)]
+        whole = [(await engine.generate([p], params))[0]["text"] for p in prompts]
         pieces: dict[int, list[str]] = {}
-        async for chunk in engine.stream(GenerateInput(input_ids=prompts, sampling_params=params, stream=True)):
-            assert "\ufffd" not in chunk.text, (chunk.index, chunk.text)
-            pieces.setdefault(chunk.index, []).append(chunk.text)
+        for i, prompt in enumerate(prompts):
+            async for chunk in engine.stream(GenerateInput(input_ids=prompt, sampling_params=params, stream=True)):
+                assert "\ufffd" not in chunk.text, (i, chunk.text)
+                pieces.setdefault(i, []).append(chunk.text)
     streamed = ["".join(pieces[i]) for i in range(len(questions))]
     assert streamed == whole
     assert all(len(pieces[i]) > 3 for i in range(len(questions)))  # really streamed, not one chunk
