@@ -60,10 +60,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_serving import HTTPProtocolError, RawHTTP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# `tercet serve`, but with hypercorn's 60 s lifespan startup timeout raised: on a
-# loaded 2-core machine loading the model can take longer than that
-SERVE = ("import sys, hypercorn.config; hypercorn.config.Config.startup_timeout = 600; "
-         "from serving.cli import main; sys.exit(main(['serve', *sys.argv[1:]]))")
 VOCAB = (3, 49152)  # SmolLM2's tokenizer (the tiny model shares it)
 
 
@@ -235,7 +231,7 @@ async def benchmark(args) -> dict:
         log = (tmp / "server.log").open("wb")
         started = time.perf_counter()
         server = await trio.lowlevel.open_process(
-            [sys.executable, "-c", SERVE, "--config", str(config), "--log-level", "warning"],
+            [sys.executable, "-m", "serving.cli", "serve", "--config", str(config), "--log-level", "warning"],
             cwd=ROOT, stdout=log, stderr=log)
         url = f"http://127.0.0.1:{args.port}"
         control = RawHTTP(url)
