@@ -7,8 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from starlette.requests import Request
 
 from actors import CallError
 
@@ -17,11 +20,26 @@ from .messages import HealthProbe, ServerInfoReq, UpdateWeightsReq
 from .tokenizer_manager import Chunk
 from .topology import Topology
 
-__all__ = ["Metrics", "ServerState"]
+__all__ = ["BadRequest", "Metrics", "ServerState", "decode_body"]
 
 
-class NotFound(Exception):
-    pass
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+async def decode_body(request: Request, type_: Any) -> Any:
+    body = await request.body()
+    try:
+        return msgspec.json.decode(body or b"{}", type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.split("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise BadRequest(f"invalid request: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
 
 
 class Metrics:
@@ -122,8 +140,6 @@ class ServerState:
     async def admit(self) -> None:
         """Wait while paused, while weights are replaced, or (bounded) while the
         scheduler restarts; then count as a reader."""
-        from .http_server import BadRequest
-
         while not self._unpaused.is_set() or self._writing:
             await self._unpaused.wait()
             await self._writer_done.wait()
@@ -165,8 +181,6 @@ class ServerState:
     # -- helpers --------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        from .http_server import BadRequest
-
         if model is not None and model != self.model_name:
             raise BadRequest(f"model {model!r} not found; this server serves {self.model_name!r}", "model",
                              status=404)

@@ -2,6 +2,7 @@
 
 import pytest
 import trio
+import trio.testing
 
 from actors import Backoff, ChildStartError, Restart, RestartIntensityExceeded, Strategy, Supervisor
 from actors.testing import open_harness
@@ -101,7 +102,7 @@ async def test_restart_intensity_exceeded_stops_children_and_escalates(autojump_
 
 async def test_crashes_spread_beyond_the_window_do_not_escalate(autojump_clock):
     async with open_harness() as h:
-        sup = await h.start_supervisor("sup", trio_of(h, []), max_restarts=2, within=10.0)
+        await h.start_supervisor("sup", trio_of(h, []), max_restarts=2, within=10.0)
         for n in range(6):
             await trio.sleep(6.0)
             await h.send("inproc://b", Boom())
@@ -111,7 +112,7 @@ async def test_crashes_spread_beyond_the_window_do_not_escalate(autojump_clock):
 
 async def test_back_off_grows_exponentially(autojump_clock):
     async with open_harness() as h:
-        sup = await h.start_supervisor(
+        await h.start_supervisor(
             "sup", trio_of(h, []), max_restarts=10, within=100.0,
             backoff=Backoff(initial=1.0, factor=2.0, maximum=3.0),
         )
@@ -177,7 +178,8 @@ async def test_kill_is_a_crash_with_the_given_reason(autojump_clock):
         out = await h.probe("inproc://out", Pong)
         sup = await h.start_supervisor("sup", trio_of(h, []))
         h.faults("b").hang()
-        await h.send("inproc://b", Ping(1))  # b is stuck in a handler
+        await h.send("inproc://b", Ping(1))
+        await trio.testing.wait_all_tasks_blocked()  # b is stuck in a handler
         assert sup.kill("b", TimeoutError("b stopped answering"))
         crash = await h.wait_event(lambda e: e.kind == "crashed")
         assert isinstance(crash.reason, TimeoutError)

@@ -1,0 +1,109 @@
+"""The HTTP routes around generation: models, health, metrics, admin."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from .http_state import BadRequest, ServerState, decode_body
+from .messages import FlushCacheReq, SamplingParams, ServerInfoReq
+from .tokenizer_manager import GenerateInput
+
+__all__ = [
+    "abort_request",
+    "continue_generation",
+    "flush_cache",
+    "health",
+    "health_generate",
+    "metrics",
+    "models",
+    "pause_generation",
+    "server_info",
+    "update_weights_from_disk",
+]
+
+
+async def models(request: Request, state: ServerState) -> Response:
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "tercet",
+        "max_model_len": state.max_model_len,
+    }]})
+
+
+async def health(request: Request, state: ServerState) -> Response:
+    problem = await state.health_problem()
+    if problem is not None:
+        return PlainTextResponse(problem, status_code=503)
+    return PlainTextResponse("OK")
+
+
+async def health_generate(request: Request, state: ServerState) -> Response:
+    problem = await state.health_problem()
+    if problem is not None:
+        return PlainTextResponse(problem, status_code=503)
+    obj = GenerateInput(input_ids=[1], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    with trio.move_on_after(20.0):
+        async with aclosing(state.engine.tokenizer_manager.generate(obj)) as stream:
+            async for chunk in stream:
+                if chunk.finished is not None:
+                    if chunk.finished.type == "abort":
+                        return PlainTextResponse(f"generation failed: {chunk.finished.message}", status_code=503)
+                    return PlainTextResponse("OK")
+    return PlainTextResponse("no token within 20 s", status_code=503)
+
+
+async def metrics(request: Request, state: ServerState) -> Response:
+    body = await state.metrics.render(state)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def server_info(request: Request, state: ServerState) -> Response:
+    info = await state.call(ServerInfoReq())
+    supervisor = state.engine.supervisor
+    pids = {name: getattr(supervisor.child(name), "pid", None) for name in supervisor.running()}
+    return JSONResponse({
+        "model": state.model_name, "topology": msgspec.to_builtins(state.engine.topology),
+        "restarts": dict(supervisor.restarts), "pids": {k: v for k, v in pids.items() if v}, **info,
+    })
+
+
+class AbortBody(msgspec.Struct):
+    rid: str
+
+
+async def abort_request(request: Request, state: ServerState) -> Response:
+    body = await decode_body(request, AbortBody)
+    found = await state.engine.tokenizer_manager.abort(body.rid)
+    return JSONResponse({"rid": body.rid, "aborted": found})
+
+
+async def flush_cache(request: Request, state: ServerState) -> Response:
+    if not await state.call(FlushCacheReq()):
+        raise BadRequest("cannot flush the cache while requests are running or queued")
+    return PlainTextResponse("Cache flushed.")
+
+
+async def pause_generation(request: Request, state: ServerState) -> Response:
+    state.pause()
+    return JSONResponse({"paused": True})
+
+
+async def continue_generation(request: Request, state: ServerState) -> Response:
+    state.resume()
+    return JSONResponse({"paused": False})
+
+
+class UpdateWeightsBody(msgspec.Struct):
+    model_path: str
+
+
+async def update_weights_from_disk(request: Request, state: ServerState) -> Response:
+    body = await decode_body(request, UpdateWeightsBody)
+    ok, message = await state.update_weights(body.model_path)
+    if not ok:
+        raise BadRequest(message, "model_path")
+    return JSONResponse({"success": True, "message": message})
