@@ -353,7 +353,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, help="default: a free one")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the server start and for each phase")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds for the server start, and again for all the requests")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--smoke", action="store_true", help="tiny model in float32, 4 requests x 128 tokens")
     args = p.parse_args(argv)
