@@ -19,15 +19,22 @@ def prompts(tokenizer):
     return [tokenizer(t).input_ids for t in TEXTS]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_tiny_batch_of_different_lengths_matches_transformers(tiny, page_size, hf_greedy, same_greedy):
-    runner = ModelRunner(tiny, dtype=torch.float32, page_size=page_size)
-    hf = to_transformers(tiny)
-    batch = prompts(tiny.tokenizer)
-    ours = generate(runner, batch, 10)
+def check_batch_against_transformers(model, page_size, hf_greedy, same_greedy):
+    runner = ModelRunner(model, dtype=torch.float32, page_size=page_size)
+    hf = to_transformers(model)
+    batch = prompts(model.tokenizer)
+    ours = generate(runner, batch, 8)
     for prompt, out in zip(batch, ours):
-        assert same_greedy(out, hf_greedy(hf, prompt, 10))
+        assert same_greedy(out, hf_greedy(hf, prompt, 8))
     assert runner.kv.num_free == runner.kv.num_pages
+
+
+def test_tiny_batch_of_different_lengths_matches_transformers(tiny, hf_greedy, same_greedy):
+    check_batch_against_transformers(tiny, 1, hf_greedy, same_greedy)
+
+
+def test_tiny_batch_with_16_token_pages_matches_transformers(tiny_llama, hf_greedy, same_greedy):
+    check_batch_against_transformers(tiny_llama, 16, hf_greedy, same_greedy)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
