@@ -71,13 +71,15 @@ class ProcessChild:
 
     def __init__(self, target: str, args: dict[str, Any] | None = None, *,
                  name: str | None = None, kill_after: float = 5.0,
-                 ready_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 ready_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         self.target = target
         self.args = args or {}
         self.name = name or target
         self.kill_after = kill_after
         self.ready_timeout = ready_timeout
         self.env = env
+        self.pass_fds = pass_fds  # inherited by the child under the same numbers (e.g. a listening socket)
         self.process: trio.Process | None = None
 
     @property
@@ -103,7 +105,7 @@ class ProcessChild:
         try:
             self.process = process = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "actors.process", str(ready_write)],
-                stdin=subprocess.PIPE, pass_fds=(ready_write,), env=env,
+                stdin=subprocess.PIPE, pass_fds=(ready_write, *self.pass_fds), env=env,
             )
         finally:
             os.close(ready_write)

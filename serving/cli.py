@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -71,8 +72,51 @@ def topology_from(args: argparse.Namespace) -> Topology:
     return load_topology(args.config, overrides)
 
 
+async def _until_signal_or(failed: trio.Event, failure_grace: float) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def on_failure() -> None:
+            await failed.wait()
+            await trio.sleep(failure_grace)  # the error responses reach their clients
+            nursery.cancel_scope.cancel()
+
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(on_failure)
+        nursery.start_soon(on_signal)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket the tokenizer workers share (they inherit it: the port stays open while one restarts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)  # each worker accepts from it in its own event loop
+    return sock
+
+
+async def serve_workers(topology: Topology, *, failure_grace: float = 1.0,
+                        task_status: Any = trio.TASK_STATUS_IGNORED) -> BaseException | None:
+    """``server.workers > 1``: the supervisor here, HTTP in the worker processes."""
+    from .engine import open_runtime
+
+    with listening_socket(topology.server.host, topology.server.port) as sock:
+        async with open_runtime(topology, listen_fd=sock.fileno()) as engine:
+            host, port = sock.getsockname()[:2]
+            log.info("ready: %d tokenizer workers serving on http://%s:%d", topology.server.workers, host, port)
+            task_status.started(engine)
+            await _until_signal_or(engine.failed, failure_grace)
+        return engine.failure
+
+
 async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseException | None:
     """Serve until SIGINT/SIGTERM, or until the runtime fails for good (returned)."""
+    if topology.server.workers > 1:
+        return await serve_workers(topology, failure_grace=failure_grace)
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -85,23 +129,19 @@ async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseExcept
     config.startup_timeout = 900  # the first start converts the GGUF weights
     app = build_app(topology)
 
+    ready_or_failed = trio.Event()
+
     async def shutdown_trigger() -> None:
         async with trio.open_nursery() as nursery:
 
-            async def on_failure() -> None:
+            async def relay_failure() -> None:
                 await app.state.ready.wait()
                 await app.state.server.engine.failed.wait()
-                await trio.sleep(failure_grace)  # the error responses reach their clients
-                nursery.cancel_scope.cancel()
+                ready_or_failed.set()
 
-            async def on_signal() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(on_failure)
-            nursery.start_soon(on_signal)
+            nursery.start_soon(relay_failure)
+            await _until_signal_or(ready_or_failed, failure_grace)
+            nursery.cancel_scope.cancel()
 
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
     return app.state.server.engine.failure if app.state.ready.is_set() else None
@@ -115,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as exc:
         print(f"tercet: {exc}", file=sys.stderr)
         return 2
-    log.info("serving on http://%s:%d with actors %s", topology.server.host, topology.server.port,
+    log.info("serving on http://%s:%d with actors %s%s", topology.server.host, topology.server.port,
              ", ".join(f"{name}@{getattr(topology.actors, name).address} ({getattr(topology.actors, name).process})"
-                       for name in ("scheduler", "detokenizer", "tokenizer")))
+                       for name in ("scheduler", "detokenizer", "tokenizer")),
+             f"; {topology.server.workers} tokenizer worker processes" if topology.server.workers > 1 else "")
     try:
         failure = trio.run(serve, topology)
     except KeyboardInterrupt:

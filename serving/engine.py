@@ -23,10 +23,10 @@ from typing import Any
 import msgspec
 import trio
 
-from actors import RestartIntensityExceeded, Supervisor, SupervisorEvent
+from actors import ActorChild, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
 from transports import open_hub
 
-from .messages import SamplingParams
+from .messages import RuntimeStatus, SamplingParams
 from .tokenizer_manager import Chunk, GenerateInput, TokenizerManager, fold
 from .topology import (
     ActorsSection,
@@ -45,6 +45,11 @@ log = logging.getLogger("serving.engine")
 
 
 class AsyncEngine:
+    """A running topology. With tokenizer workers (``server.workers > 1``) the
+    tokenizer managers live in the workers and ``tokenizer_manager`` is absent."""
+
+    worker: int | None = None  # the tokenizer worker this is (a worker's runtime has one)
+
     def __init__(self, supervisor: Supervisor, addresses: dict[str, str], topology: Topology,
                  tokenizer: Any) -> None:
         self.supervisor = supervisor
@@ -60,6 +65,26 @@ class AsyncEngine:
         self.starts: dict[str, int] = {}
         self.crashes: dict[tuple[str, str], int] = {}  # (actor, cause) → count
         self._start_seen = trio.Event()
+        self.broadcaster: Any = None  # tokenizer workers: where their RuntimeStatus goes
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        return dict(self.supervisor.restarts)
+
+    def scheduler_running(self) -> bool:
+        return "scheduler" in self.supervisor.running() and self.failure is None
+
+    def pids(self) -> dict[str, int]:
+        pids = {name: getattr(self.supervisor.child(name), "pid", None) for name in self.supervisor.running()}
+        return {name: pid for name, pid in pids.items() if pid}
+
+    def status(self, *, resume: bool = False) -> RuntimeStatus:
+        return RuntimeStatus(
+            scheduler_up=self._scheduler_up.is_set() and self.scheduler_running(), resume=resume,
+            failure=None if self.failure is None else str(self.failure), restarts=self.restarts,
+            crashes=[(actor, cause, count) for (actor, cause), count in self.crashes.items()],
+            recoveries=list(self.recoveries), pids=self.pids(),
+        )
 
     async def started(self, child: str, times: int) -> None:
         """Wait until ``child`` has started ``times`` times (1: its first start)."""
@@ -95,6 +120,9 @@ class AsyncEngine:
         if self._tokenizer_manager is not None:
             count = self._tokenizer_manager.fail_all(f"the server failed: {failure}")
             log.critical("runtime failed (%r); ended %d requests in flight", failure, count)
+        if self.broadcaster is not None:
+            log.critical("runtime failed (%r); the tokenizer workers end their requests", failure)
+            self.broadcaster.publish(self.status())
 
     async def stream(self, obj: GenerateInput) -> AsyncIterator[Chunk]:
         async for chunk in self.tokenizer_manager.generate(obj):
@@ -135,8 +163,11 @@ def topology_for(model: str | None, *, processes: bool = False, **scheduler_opti
 
 
 @asynccontextmanager
-async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
-    """Start the three managers of ``topology`` under a supervisor; stop them after."""
+async def open_runtime(topology: Topology, *, listen_fd: int | None = None) -> AsyncIterator[AsyncEngine]:
+    """Start the three managers of ``topology`` under a supervisor; stop them after.
+
+    With ``server.workers > 1`` the tokenizer managers run in worker processes
+    that serve HTTP on ``listen_fd`` (a listening socket they inherit)."""
     from models.loading import load_tokenizer
 
     topology.check()
@@ -156,6 +187,10 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
         # no output while requests are in flight: the scheduler hangs where no watchdog of its own sees
         engine.supervisor.kill("scheduler", report)
 
+    workers = topology.server.workers
+    if workers > 1 and listen_fd is None:
+        raise ValueError("server.workers > 1: the workers need a listening socket (listen_fd)")
+
     with tempfile.TemporaryDirectory(prefix="tercet-") as runtime_dir:
         async with open_hub() as hub, trio.open_nursery() as nursery:
             crashed_at: dict[str, float] = {}
@@ -174,15 +209,38 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
                     key = (event.child, type(event.reason).__name__)
                     engine.crashes[key] = engine.crashes.get(key, 0) + 1
                 # a restarted scheduler or detokenizer lost the requests in flight: resume them
+                resume = False
                 if event.kind == "started" and event.child in crashed_at:
                     engine.recoveries.append(trio.current_time() - crashed_at.pop(event.child))
-                    if event.child in ("scheduler", "detokenizer"):
-                        engine.tokenizer_manager.watchdog.feed()  # the new one gets a full timeout
-                        nursery.start_soon(engine.tokenizer_manager.resubmit_in_flight)
+                    resume = event.child in ("scheduler", "detokenizer")
+                if engine.broadcaster is not None:  # the workers hear of every event
+                    if event.kind != "escalated" and engine.failure is None:
+                        engine.broadcaster.publish(engine.status(resume=resume))
+                elif resume:
+                    engine.tokenizer_manager.watchdog.feed()  # the new one gets a full timeout
+                    nursery.start_soon(engine.tokenizer_manager.resubmit_in_flight)
 
-            specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), make_tokenizer_manager)
+            def frontend(addresses: dict[str, str]) -> list[ChildSpec]:
+                grace = topology.supervision.shutdown_grace
+                if workers == 1:
+                    build = make_tokenizer_manager(addresses)
+                    return [ChildSpec("tokenizer", lambda: ActorChild(build, addresses["tokenizer"], hub),
+                                      shutdown=grace)]
+                from .workers import worker_specs
+
+                addresses["control"] = f"ipc://{runtime_dir}/control"
+                specs, _ = worker_specs(topology, addresses, topology.worker_addresses(Path(runtime_dir)), hub,
+                                        listen_fd, on_stall)
+                return specs
+
+            specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), frontend)
             supervisor = make_supervisor(topology, specs, on_event)
             engine = AsyncEngine(supervisor, addresses, topology, tokenizer)
+            if workers > 1:
+                from .workers import StatusBroadcaster
+
+                engine.broadcaster = StatusBroadcaster(hub, topology.worker_addresses(Path(runtime_dir)))
+                nursery.start_soon(engine.broadcaster.run)
 
             async def supervise(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
                 started = False
@@ -199,6 +257,9 @@ async def open_runtime(topology: Topology) -> AsyncIterator[AsyncEngine]:
                         raise
                     if engine.failure is None:
                         engine.fail(exc)
+                finally:
+                    if engine.broadcaster is not None:
+                        engine.broadcaster.close()
 
             await nursery.start(supervise)
             try:

@@ -63,11 +63,10 @@ async def metrics(request: Request, state: ServerState) -> Response:
 
 async def server_info(request: Request, state: ServerState) -> Response:
     info = await state.call(ServerInfoReq())
-    supervisor = state.engine.supervisor
-    pids = {name: getattr(supervisor.child(name), "pid", None) for name in supervisor.running()}
+    engine = state.engine
     return JSONResponse({
-        "model": state.model_name, "topology": msgspec.to_builtins(state.engine.topology),
-        "restarts": dict(supervisor.restarts), "pids": {k: v for k, v in pids.items() if v}, **info,
+        "model": state.model_name, "topology": msgspec.to_builtins(engine.topology),
+        "restarts": engine.restarts, "pids": engine.pids(), "worker": engine.worker, **info,
     })
 
 

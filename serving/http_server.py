@@ -321,9 +321,17 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(topology: Topology) -> Starlette:
+def build_app(topology: Topology, *, runtime: Any = None) -> Starlette:
+    """The app; its lifespan starts ``topology`` — or, in a tokenizer worker, uses
+    ``runtime`` (a WorkerRuntime) that the worker runs."""
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if runtime is not None:
+            app.state.server = ServerState(runtime, topology)
+            app.state.ready.set()
+            yield
+            return
         async with open_runtime(topology) as engine:
             app.state.server = ServerState(engine, topology)
             app.state.ready.set()

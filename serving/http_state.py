@@ -15,7 +15,6 @@ from starlette.requests import Request
 
 from actors import CallError
 
-from .engine import AsyncEngine
 from .messages import HealthProbe, ServerInfoReq, UpdateWeightsReq
 from .tokenizer_manager import Chunk
 from .topology import Topology
@@ -81,7 +80,7 @@ class Metrics:
             total = info["kv_pages_total"] or 1
             self.kv_usage.set(1 - info["kv_pages_free"] / total)
         engine = state.engine
-        for actor, count in engine.supervisor.restarts.items():
+        for actor, count in engine.restarts.items():
             self.restarts.labels(actor).set(count)
         for (actor, cause), count in engine.crashes.items():
             self.crashes.labels(actor, cause).set(count)
@@ -115,7 +114,10 @@ class RequestTimer:
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, topology: Topology) -> None:
+    """``engine``: the AsyncEngine (tokenizer manager in this process), or a tokenizer
+    worker's WorkerRuntime; both offer the same face (see serving.workers)."""
+
+    def __init__(self, engine: Any, topology: Topology) -> None:
         self.engine = engine
         self.topology = topology
         self.metrics = Metrics()
@@ -147,7 +149,7 @@ class ServerState:
             await self.engine.scheduler_up()
         if self.engine.failure is not None:
             raise BadRequest(f"the server failed: {self.engine.failure}", status=503)
-        if "scheduler" not in self.engine.supervisor.running():
+        if not self.engine.scheduler_running():
             raise BadRequest("the scheduler is restarting; try again", status=503)
         self._readers += 1
         self._no_readers = trio.Event()
@@ -190,10 +192,9 @@ class ServerState:
 
     async def health_problem(self) -> str | None:
         """None when the scheduler really answers, else why not."""
-        supervisor = self.engine.supervisor
         if self.engine.failure is not None:
             return f"the server failed: {self.engine.failure}"
-        if "scheduler" not in supervisor.running():
+        if not self.engine.scheduler_running():
             return "scheduler restarting"
         try:
             await self.call(HealthProbe(), timeout=5.0)

@@ -4,6 +4,11 @@
     DetokenizerManager ──TokenizerInbox──► TokenizerManager
     DetokenizerManager ──StopStringHit──► Scheduler (a stop string ended a request)
 
+With several tokenizer/HTTP workers (``server.workers``), the main process
+runs only the supervisor and a ``Coordinator``; it tells every worker how
+the scheduler is (``RuntimeStatus``: up or down, resume, failure), and a
+worker tells it when its outputs stalled (``WorkerStalled``).
+
 Outputs are deltas: each step sends the new token ids of every request that
 advanced, never the whole sequence. Per-request settings the detokenizer
 needs travel once, in a DecodeInit inside the first output of a request.
@@ -18,8 +23,10 @@ import numpy as np
 
 __all__ = [
     "AbortReq",
+    "AbortWhere",
     "BatchStrOut",
     "BatchTokenIDOut",
+    "ControlInbox",
     "DecodeInit",
     "DetokenizerInbox",
     "FinishReason",
@@ -28,10 +35,12 @@ __all__ = [
     "HealthProbe",
     "SamplingParams",
     "SchedulerInbox",
+    "RuntimeStatus",
     "ServerInfoReq",
     "StopStringHit",
     "TokenizerInbox",
     "UpdateWeightsReq",
+    "WorkerStalled",
 ]
 
 
@@ -111,6 +120,16 @@ class AbortReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     message: str = "aborted"
 
 
+class AbortWhere(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Abort (by ``call``; the reply is how many) every request whose rid is ``rid``
+    in any incarnation, or that ``worker`` owns: an /abort_request that reached
+    another worker, or the requests of a worker that died."""
+
+    rid: str | None = None
+    worker: int | None = None
+    message: str = "aborted"
+
+
 class FlushCacheReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
 
@@ -135,7 +154,8 @@ class StopStringHit(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 SchedulerInbox = (
-    GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthProbe | StopStringHit | UpdateWeightsReq
+    GenerateReq | AbortReq | AbortWhere | FlushCacheReq | ServerInfoReq | HealthProbe | StopStringHit
+    | UpdateWeightsReq
 )
 
 
@@ -187,4 +207,29 @@ class BatchStrOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
-TokenizerInbox = BatchStrOut
+class RuntimeStatus(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The main process → each tokenizer worker, after every supervisor event."""
+
+    scheduler_up: bool
+    resume: bool = False  # the scheduler or detokenizer restarted: resubmit what is in flight
+    failure: str | None = None  # the runtime gave up: end every request with this error
+    restarts: dict[str, int] = {}
+    crashes: list[tuple[str, str, int]] = []  # (actor, cause, count)
+    recoveries: list[float] = []
+    pids: dict[str, int] = {}
+
+
+TokenizerInbox = BatchStrOut | RuntimeStatus
+
+
+# -- tokenizer worker → the main process's Coordinator ---------------------------
+
+
+class WorkerStalled(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """No output for the watchdog's timeout while requests were in flight."""
+
+    worker: int
+    message: str
+
+
+ControlInbox = WorkerStalled

@@ -22,6 +22,7 @@ from models.runner import ModelRunner
 from .batching import BatchState, Limits, Output
 from .messages import (
     AbortReq,
+    AbortWhere,
     BatchTokenIDOut,
     DecodeInit,
     FinishReason,
@@ -105,6 +106,8 @@ class Scheduler(Actor):
                 self._end(state.add(msg))
             case AbortReq(rid, message):
                 self._end(state.abort(rid, FinishReason("abort", message=message)))
+            case AbortWhere(rid, worker, message):
+                return self._abort_where(rid, worker, message)
             case StopStringHit(rid):
                 if rid in state.by_rid:
                     state.drop(rid)  # the detokenizer already ended it downstream
@@ -149,6 +152,18 @@ class Scheduler(Actor):
         log.info("weights updated from %s", path)
         return {"success": True, "message": f"weights loaded from {path}"}
 
+    def _abort_where(self, rid: str | None, worker: int | None, message: str) -> int:
+        state = self.state
+        chosen = [req.rid for req in state.by_rid.values()
+                  if (rid is None or req.rid.rpartition("#")[0] == rid or req.rid == rid)
+                  and (worker is None or req.worker == worker)]
+        for wire_rid in chosen:
+            self._end(state.abort(wire_rid, FinishReason("abort", message=message)))
+        if chosen:
+            log.info("aborted %d requests (rid %s, worker %s): %s", len(chosen), rid, worker, message)
+        self._wakeup.set()
+        return len(chosen)
+
     def _end(self, output: Output | None) -> None:
         if output is not None:
             self._pending.append(output)
@@ -160,6 +175,7 @@ class Scheduler(Actor):
             "scheduler": msgspec.to_builtins(self.config),
             "waiting": len(state.waiting),
             "running": len(state.running),
+            "requests_by_worker": _count_by_worker(state),
             "kv_pages_total": kv.num_pages,
             "kv_pages_free": kv.num_free,
             "kv_page_size": kv.page_size,
@@ -188,6 +204,13 @@ class Scheduler(Actor):
         outputs, self._pending = self._pending + outputs, []
         if outputs:
             await self.ctx.send(self.config.detokenizer, _batch_out(outputs))
+
+
+def _count_by_worker(state: BatchState) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for req in state.by_rid.values():
+        counts[str(req.worker)] = counts.get(str(req.worker), 0) + 1
+    return counts
 
 
 def _batch_out(outputs: list[Output]) -> BatchTokenIDOut:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +28,19 @@ import msgspec
 import numpy as np
 import trio
 
-from actors import Actor, Context, SoftWatchdog, WatchdogTimeout
+from actors import Actor, CallError, Context, SoftWatchdog, WatchdogTimeout
 from models.sampling import random_seed
 
-from .messages import AbortReq, BatchStrOut, FinishReason, GenerateReq, SamplingParams, TokenizerInbox
+from .messages import (
+    AbortReq,
+    AbortWhere,
+    BatchStrOut,
+    FinishReason,
+    GenerateReq,
+    RuntimeStatus,
+    SamplingParams,
+    TokenizerInbox,
+)
 
 __all__ = ["Chunk", "DuplicateRequestError", "GenerateInput", "ReqState", "TokenizerManager"]
 
@@ -108,7 +117,8 @@ class TokenizerManager(Actor):
 
     def __init__(self, tokenizer: Any, *, scheduler: str, worker: int = 0,
                  watchdog_timeout: float = 300.0,
-                 on_stall: Callable[[WatchdogTimeout], None] | None = None) -> None:
+                 on_stall: Callable[[WatchdogTimeout], None] | None = None,
+                 on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.worker = worker
@@ -116,6 +126,7 @@ class TokenizerManager(Actor):
         self._by_wire_rid: dict[str, ReqState] = {}
         self.resumed = 0
         self.on_stall = on_stall
+        self.on_status = on_status  # a tokenizer worker: news of the runtime from the main process
         self.watchdog = SoftWatchdog("tokenizer manager receive", watchdog_timeout,
                                      busy=lambda: bool(self.rid_to_state), on_fire=self._stalled)
         self._ids = itertools.count()
@@ -136,6 +147,9 @@ class TokenizerManager(Actor):
         match msg:
             case BatchStrOut():
                 self._handle_batch_output(msg)
+            case RuntimeStatus():
+                if self.on_status is not None:
+                    await self.on_status(msg)
 
     def _handle_batch_output(self, out: BatchStrOut) -> None:
         now = time.monotonic()
@@ -274,10 +288,16 @@ class TokenizerManager(Actor):
         ))
 
     async def abort(self, rid: str, message: str = "aborted by request") -> bool:
-        """Abort a request by id; False when no such request is in flight."""
+        """Abort a request by id; False when no such request is in flight.
+
+        A request of another tokenizer worker is aborted by the scheduler,
+        which knows every request; its owner then sees it end."""
         state = self.rid_to_state.get(rid)
         if state is None:
-            return False
+            try:
+                return bool(await self.call_scheduler(AbortWhere(rid=rid, message=message), timeout=5.0))
+            except CallError:
+                return False
         await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
         return True
 

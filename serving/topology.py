@@ -113,6 +113,23 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                 raise TopologyError(f"actors.{name}: a child process cannot be reached over inproc://")
         if self.actors.tokenizer.process != "main":
             raise TopologyError("actors.tokenizer.process: the tokenizer manager runs with the HTTP server (main)")
+        if self.server.workers > 1:
+            for name in ("scheduler", "tokenizer"):
+                if getattr(self.actors, name).address.startswith("inproc://"):
+                    raise TopologyError(f"actors.{name}.address: with server.workers > 1 the tokenizer workers "
+                                        "are processes of their own; use ipc:// or tcp://")
+            if self.server.workers > 64:
+                raise TopologyError("server.workers: at most 64")
+
+    def worker_addresses(self, runtime_dir: Path) -> list[str]:
+        """The mailbox of each tokenizer worker: the tokenizer address, numbered when there are several."""
+        address = self.actors.tokenizer.address.replace("{runtime_dir}", str(runtime_dir))
+        if self.server.workers == 1:
+            return [address]
+        if address.startswith("tcp://"):
+            host, _, port = address.rpartition(":")
+            return [f"{host}:{int(port) + i}" if int(port) else address for i in range(self.server.workers)]
+        return [f"{address}-{i}" for i in range(self.server.workers)]
 
     def scheduler_config(self, detokenizer: str) -> SchedulerConfig:
         s = self.scheduler
@@ -209,16 +226,18 @@ def _line_of(text: str, message: str) -> str:
 
 
 def build_children(topology: Topology, hub: Any, tokenizer: Any, runtime_dir: Path,
-                   tokenizer_factory: Any) -> tuple[list[ChildSpec], dict[str, str]]:
-    """Child specs in start order (scheduler, detokenizer, tokenizer) and the addresses."""
+                   frontend: Any) -> tuple[list[ChildSpec], dict[str, str]]:
+    """Child specs in start order — scheduler, detokenizer, then what ``frontend(addresses)``
+    returns (the tokenizer manager, or the tokenizer workers) — and the addresses."""
     addresses = {
         name: getattr(topology.actors, name).address.replace("{runtime_dir}", str(runtime_dir))
         for name in ("scheduler", "detokenizer", "tokenizer")
     }
+    workers = topology.worker_addresses(runtime_dir)
     grace = topology.supervision.shutdown_grace
     config = topology.scheduler_config(addresses["detokenizer"])
     detok_args = {"address": addresses["detokenizer"], "tokenizer": tokenizer_source(topology.model),
-                  "workers": [addresses["tokenizer"]], "scheduler": addresses["scheduler"]}
+                  "workers": workers, "scheduler": addresses["scheduler"]}
     placement = topology.actors.scheduler
     if placement.process == "child":
         scheduler = lambda: ProcessChild(  # noqa: E731
@@ -237,11 +256,10 @@ def build_children(topology: Topology, hub: Any, tokenizer: Any, runtime_dir: Pa
         detokenizer = lambda: ActorChild(  # noqa: E731
             lambda: DetokenizerManager(tokenizer, detok_args["workers"], addresses["scheduler"]),
             addresses["detokenizer"], hub)
-    tokenizer_manager = lambda: ActorChild(tokenizer_factory(addresses), addresses["tokenizer"], hub)  # noqa: E731
     specs = [
         ChildSpec("scheduler", scheduler, shutdown=grace),
         ChildSpec("detokenizer", detokenizer, shutdown=grace),
-        ChildSpec("tokenizer", tokenizer_manager, shutdown=grace),
+        *frontend(addresses),
     ]
     return specs, addresses
 

@@ -1,0 +1,206 @@
+"""Several tokenizer/HTTP worker processes on one port (configs/multi-worker.yaml),
+through real HTTP: outputs reach the worker that owns the request, an abort
+reaches a request of another worker, a worker's death frees its requests while
+the others keep serving, and a scheduler kill resumes the requests of every worker."""
+
+import json
+import os
+import signal
+from contextlib import AsyncExitStack
+
+import httpx
+import pytest
+import trio
+
+from serving.cli import serve_workers
+from serving.topology import TopologyError, load_topology
+
+from ..conftest import free_tcp_port
+from .test_recovery import RECOVERY, baseline, requests_for, runner  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.timeout(600)
+
+
+async def start_workers(nursery, **overrides):
+    topology = load_topology("multi-worker", {"model.path": "tiny", "server.port": free_tcp_port(), **overrides})
+    engine = await nursery.start(serve_workers, topology)
+    return f"http://127.0.0.1:{topology.server.port}", engine
+
+
+async def pinned_clients(stack, url, per_worker=1, workers=2):
+    """Clients of one keep-alive connection each, ``per_worker`` on every worker: the
+    kernel hands a new connection to whichever worker accepts first, so open them
+    until each worker has its share. Use each for one request at a time."""
+    pinned = {worker: [] for worker in range(workers)}
+    for _ in range(50 * per_worker * workers):
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=1)))
+        worker = (await client.get("/server_info")).json()["worker"]
+        if len(pinned[worker]) < per_worker:
+            pinned[worker].append(client)
+        if all(len(clients) == per_worker for clients in pinned.values()):
+            return pinned
+    raise AssertionError(f"could not reach every worker: {({w: len(c) for w, c in pinned.items()})}")
+
+
+def parse_sse(text):
+    """(text, ids, finish_reason) of a /generate stream that ended with [DONE]."""
+    assert text.endswith("data: [DONE]\n\n"), text[-300:]
+    last = None
+    for block in text.split("\n\n"):
+        if block.startswith("data: {"):
+            event = json.loads(block.removeprefix("data: "))
+            assert last is None or event["text"].startswith(last["text"]), "a streamed text went back on itself"
+            last = event
+    return last["text"], last["output_ids"], last["meta_info"]["finish_reason"]
+
+
+async def wait_for(client, predicate):
+    """Poll /server_info (the scheduler's own view) until ``predicate(info)``."""
+    with trio.fail_after(120):
+        while not predicate(info := (await client.get("/server_info")).json()):
+            await trio.sleep(0.01)
+    return info
+
+
+def assert_scheduler_clean(info):
+    assert info["requests_by_worker"] == {} and info["waiting"] == 0 and info["running"] == 0
+    assert info["kv_pages_free"] + info["cached_pages"] == info["kv_pages_total"]
+
+
+def test_workers_need_ipc_or_tcp_links(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("server:\n  workers: 2\nactors:\n  scheduler: {address: 'inproc://scheduler'}\n")
+    with pytest.raises(TopologyError, match=r"broken.yaml:4: actors.scheduler.address: .*ipc:// or tcp://"):
+        load_topology(broken)
+    topology = load_topology("multi-worker", {"server.workers": 3})
+    assert topology.worker_addresses("/run") == [f"ipc:///run/tokenizer-{i}" for i in range(3)]
+    tcp = load_topology("tcp", {"server.workers": 2})
+    assert [a.rsplit(":", 1)[1] for a in tcp.worker_addresses("/run")] == ["30103", "30104"]
+
+
+async def test_two_workers_serve_route_and_abort_across_workers(nursery):
+    url, engine = await start_workers(nursery)
+    async with AsyncExitStack() as stack:
+        pinned = await pinned_clients(stack, url, per_worker=3)
+        clients = {worker: pinned[worker][0] for worker in pinned}
+        info = (await clients[0].get("/server_info")).json()
+        assert {"worker-0", "worker-1", "scheduler", "detokenizer"} <= set(info["pids"])
+        assert (await clients[1].get("/health")).status_code == 200
+
+        # concurrent requests on both workers: every output reaches its own worker
+        results = {}
+
+        async def run(worker, k):
+            for stream in (True, False):
+                body = {"input_ids": [5 + k, 6, 7], "stream": stream,
+                        "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}}
+                r = await pinned[worker][k].post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                if stream:
+                    text, ids, finish = parse_sse(r.text)
+                else:
+                    text, ids, finish = r.json()["text"], r.json()["output_ids"], r.json()["meta_info"]["finish_reason"]
+                results[worker, k, stream] = (text, ids, finish)
+
+        async with trio.open_nursery() as inner:
+            for worker in (0, 1):
+                for k in range(3):
+                    inner.start_soon(run, worker, k)
+        assert len(results) == 12
+        assert all(len(ids) == 12 and finish == {"type": "length", "matched": 12}
+                   for _, ids, finish in results.values())
+        assert all(text == engine.tokenizer.decode(ids) for text, ids, _ in results.values())
+
+        # /abort_request that lands on the other worker still aborts the request
+        body = {"input_ids": [9, 10], "rid": "far-away", "stream": True,
+                "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+        async with trio.open_nursery() as inner:
+            ended = {}
+
+            async def long_stream():
+                ended["response"] = await clients[0].post("/generate", json=body)
+
+            inner.start_soon(long_stream)
+            await wait_for(clients[1], lambda info: info["requests_by_worker"].get("0"))
+            r = await clients[1].post("/abort_request", json={"rid": "far-away"})
+            assert r.json() == {"rid": "far-away", "aborted": True}
+        _, _, finish = parse_sse(ended["response"].text)
+        assert finish["type"] == "abort"
+        assert (await clients[1].post("/abort_request", json={"rid": "nobody"})).json()["aborted"] is False
+        assert_scheduler_clean(await wait_for(clients[1], lambda info: info["running"] == 0))
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nursery):
+    url, engine = await start_workers(nursery)
+    async with AsyncExitStack() as stack:
+        pinned = await pinned_clients(stack, url, per_worker=3)
+        clients = {worker: pinned[worker][0] for worker in pinned}
+        doomed = {"input_ids": [3, 4, 5], "stream": True,
+                  "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+        survivor = {"input_ids": [7, 8, 9], "stream": True,
+                    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+        cut, completed = [], []
+
+        async def on_doomed_worker(client):
+            try:
+                await client.post("/generate", json=doomed)
+            except httpx.TransportError as exc:  # the worker's process died under the connection
+                cut.append(exc)
+
+        async def on_surviving_worker(client):
+            r = await client.post("/generate", json=survivor)
+            completed.append(parse_sse(r.text))
+
+        probe = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+        async with trio.open_nursery() as inner:
+            for k in range(3):
+                inner.start_soon(on_doomed_worker, pinned[0][k])
+                inner.start_soon(on_surviving_worker, pinned[1][k])
+            before = await wait_for(probe, lambda info: info["requests_by_worker"].get("0") == 3
+                                    and info["requests_by_worker"].get("1") == 3)
+            os.kill(before["pids"]["worker-0"], signal.SIGKILL)
+            await engine.started("worker-0", 2)  # restarted, after the scheduler aborted its requests
+            info = (await probe.get("/server_info")).json()
+            assert "0" not in info["requests_by_worker"]
+            assert info["pids"]["worker-0"] != before["pids"]["worker-0"]
+            # the restarted worker serves too, while the survivors still stream
+            fresh = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+            r = await fresh.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 3}})
+            assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
+
+        assert len(cut) == 3
+        assert len(completed) == 3 and all(len(ids) == 400 and finish["type"] == "length"
+                                           for _, ids, finish in completed)
+        assert engine.restarts == {"scheduler": 0, "detokenizer": 0, "control": 0, "worker-0": 1, "worker-1": 0}
+        assert_scheduler_clean(await wait_for(probe, lambda info: info["running"] == 0))
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, baseline):
+    bodies = requests_for(21, n=8, max_new_tokens=300)
+    expected = baseline(bodies)
+    url, engine = await start_workers(nursery, **RECOVERY)
+    texts = {}
+    async with AsyncExitStack() as stack:
+        pinned = await pinned_clients(stack, url, per_worker=4)
+
+        async def one(client, body):
+            r = await client.post("/generate", json={**body, "stream": True})
+            text, ids, _ = parse_sse(r.text)
+            texts[body["rid"]] = (text, ids)
+
+        async with trio.open_nursery() as inner:
+            for i, body in enumerate(bodies):
+                inner.start_soon(one, pinned[i % 2][i // 2], body)
+            probe = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+            info = await wait_for(probe, lambda info: info["requests_by_worker"] == {"0": 4, "1": 4}
+                                  and info["steps"] >= 10)
+            os.kill(info["pids"]["scheduler"], signal.SIGKILL)
+            await engine.started("scheduler", 2)
+        info = (await probe.get("/server_info")).json()
+    assert texts == expected
+    assert info["restarts"]["scheduler"] == 1
+    assert_scheduler_clean(info)
+    nursery.cancel_scope.cancel()
