@@ -3,15 +3,16 @@
 import httpx
 import pytest
 
-from serving.topology import TopologyError, load_topology, parse_size
+from serving.topology import CONFIGS, TopologyError, load_topology, parse_size
 
 from ..conftest import free_tcp_port
 from .test_http import start_server
 
-SHIPPED = ["single-process", "default", "tcp"]
+SHIPPED = ["default", "multi-worker", "single-process", "tcp"]  # multi-worker serves in test_workers.py
 
 
 def test_every_shipped_topology_validates():
+    assert sorted(path.stem for path in CONFIGS.glob("*.yaml")) == SHIPPED
     for name in SHIPPED:
         load_topology(name).check()
 
