@@ -38,7 +38,15 @@ from typing import Any
 
 from actors import Actor, ActorChild, Context
 
-from .messages import BatchStrOut, BatchTokenIDOut, DecodeInit, FinishReason, StopStringHit
+from .messages import (
+    BatchStrOut,
+    BatchTokenIDOut,
+    DecodeInit,
+    DetokenizerInbox,
+    DetokenizerInfoReq,
+    FinishReason,
+    StopStringHit,
+)
 
 __all__ = ["Delta", "DetokenizerManager", "IncrementalDecoder", "detokenizer_child"]
 
@@ -215,7 +223,7 @@ class DetokenizerManager(Actor):
     reason). Output for a rid with no state is counted and skipped.
     """
 
-    inbox = BatchTokenIDOut
+    inbox = DetokenizerInbox
 
     def __init__(self, tokenizer: Any, workers: list[str], scheduler: str) -> None:
         self.tokenizer = tokenizer
@@ -228,9 +236,11 @@ class DetokenizerManager(Actor):
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    async def handle(self, msg: BatchTokenIDOut) -> None:
+    async def handle(self, msg: Any) -> Any:
         assert self.ctx is not None
         match msg:
+            case DetokenizerInfoReq():
+                return {"requests": len(self.states), "unknown_rids": self.unknown_rids}
             case BatchTokenIDOut():
                 outputs, hits = self.detokenize(msg)
                 for hit in hits:  # first, so the scheduler stops generating soonest

@@ -176,7 +176,7 @@ async def open_runtime(topology: Topology, *, listen_fd: int | None = None) -> A
 
     def make_tokenizer_manager(addresses: dict[str, str]) -> Any:
         def build() -> TokenizerManager:
-            tm = TokenizerManager(tokenizer, scheduler=addresses["scheduler"],
+            tm = TokenizerManager(tokenizer, scheduler=addresses["scheduler"], detokenizer=addresses["detokenizer"],
                                   watchdog_timeout=topology.watchdogs.output_timeout, on_stall=on_stall)
             engine._tokenizer_manager = tm
             return tm

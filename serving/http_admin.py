@@ -9,8 +9,10 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from actors import CallError
+
 from .http_state import BadRequest, ServerState, decode_body
-from .messages import FlushCacheReq, SamplingParams, ServerInfoReq
+from .messages import DetokenizerInfoReq, FlushCacheReq, SamplingParams, ServerInfoReq
 from .tokenizer_manager import GenerateInput
 
 __all__ = [
@@ -64,9 +66,14 @@ async def metrics(request: Request, state: ServerState) -> Response:
 async def server_info(request: Request, state: ServerState) -> Response:
     info = await state.call(ServerInfoReq())
     engine = state.engine
+    try:
+        detokenizer = await engine.tokenizer_manager.call_detokenizer(DetokenizerInfoReq(), timeout=5.0)
+    except CallError as exc:
+        detokenizer = {"error": str(exc)}
     return JSONResponse({
         "model": state.model_name, "topology": msgspec.to_builtins(engine.topology),
-        "restarts": engine.restarts, "pids": engine.pids(), "worker": engine.worker, **info,
+        "restarts": engine.restarts, "pids": engine.pids(), "worker": engine.worker,
+        "detokenizer": detokenizer, **info,
     })
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "ControlInbox",
     "DecodeInit",
     "DetokenizerInbox",
+    "DetokenizerInfoReq",
     "FinishReason",
     "FlushCacheReq",
     "GenerateReq",
@@ -189,7 +190,11 @@ class BatchTokenIDOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
-DetokenizerInbox = BatchTokenIDOut
+class DetokenizerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """By ``call``: how many requests the detokenizer holds state for."""
+
+
+DetokenizerInbox = BatchTokenIDOut | DetokenizerInfoReq
 
 
 # -- DetokenizerManager → TokenizerManager ---------------------------------------

@@ -115,12 +115,13 @@ class ReqState:
 class TokenizerManager(Actor):
     inbox = TokenizerInbox
 
-    def __init__(self, tokenizer: Any, *, scheduler: str, worker: int = 0,
+    def __init__(self, tokenizer: Any, *, scheduler: str, detokenizer: str | None = None, worker: int = 0,
                  watchdog_timeout: float = 300.0,
                  on_stall: Callable[[WatchdogTimeout], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.detokenizer = detokenizer
         self.worker = worker
         self.rid_to_state: dict[str, ReqState] = {}
         self._by_wire_rid: dict[str, ReqState] = {}
@@ -327,6 +328,11 @@ class TokenizerManager(Actor):
 
     async def call_scheduler(self, msg: Any, *, timeout: float = 10.0) -> Any:
         return await self.ctx.call(self.scheduler, msg, timeout=timeout)
+
+    async def call_detokenizer(self, msg: Any, *, timeout: float = 10.0) -> Any:
+        if self.detokenizer is None:
+            raise CallError("no detokenizer address given")
+        return await self.ctx.call(self.detokenizer, msg, timeout=timeout)
 
 
 def fold(chunks: Sequence[Chunk]) -> dict[str, Any]:

@@ -162,7 +162,8 @@ def worker_specs(topology: Topology, addresses: dict[str, str], workers: list[st
             nonlocal starts
             starts += 1
             args = {"index": index, "topology": msgspec.to_builtins(topology), "address": workers[index],
-                    "scheduler": addresses["scheduler"], "control": control, "listen_fd": listen_fd}
+                    "scheduler": addresses["scheduler"], "detokenizer": addresses["detokenizer"],
+                    "control": control, "listen_fd": listen_fd}
             process = ProcessChild("serving.workers:worker_child", args, name=f"worker-{index}",
                                    kill_after=grace, pass_fds=(listen_fd,))
             return _WorkerProcess(index, process, coordinator, restart=starts > 1)
@@ -236,12 +237,13 @@ class HttpWorker:
     """A supervisor child (in its own process): the TokenizerManager and hypercorn on the shared socket."""
 
     def __init__(self, hub: Any, topology: Topology, index: int, address: str, scheduler: str,
-                 control: str, listen_fd: int) -> None:
+                 detokenizer: str, control: str, listen_fd: int) -> None:
         self.hub = hub
         self.topology = topology
         self.index = index
         self.address = address
         self.scheduler = scheduler
+        self.detokenizer = detokenizer
         self.control = control
         self.listen_fd = listen_fd
         self.runtime: WorkerRuntime | None = None
@@ -258,7 +260,7 @@ class HttpWorker:
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_source(self.topology.model))
         runtime = self.runtime = WorkerRuntime(self.topology, tokenizer, self.index)
         tm_child = ActorChild(lambda: TokenizerManager(
-            tokenizer, scheduler=self.scheduler, worker=self.index,
+            tokenizer, scheduler=self.scheduler, detokenizer=self.detokenizer, worker=self.index,
             watchdog_timeout=self.topology.watchdogs.output_timeout,
             on_stall=self._stalled, on_status=runtime.apply), self.address, self.hub)
 
@@ -295,6 +297,7 @@ class HttpWorker:
 
 
 def worker_child(hub: Any, *, index: int, topology: dict[str, Any], address: str, scheduler: str,
-                 control: str, listen_fd: int) -> HttpWorker:
+                 detokenizer: str, control: str, listen_fd: int) -> HttpWorker:
     """A tokenizer worker as a supervisor child (run in a child process)."""
-    return HttpWorker(hub, msgspec.convert(topology, Topology), index, address, scheduler, control, listen_fd)
+    return HttpWorker(hub, msgspec.convert(topology, Topology), index, address, scheduler, detokenizer, control,
+                      listen_fd)

@@ -89,6 +89,14 @@ def assert_clean(app):
     assert engine.tokenizer_manager.rid_to_state == {}
 
 
+def assert_drained(info):
+    """Nothing left downstream (``info``: /server_info): no request in the scheduler,
+    every KV page free or in the prefix cache, no state in the detokenizer."""
+    assert info["requests_by_worker"] == {} and info["waiting"] == 0 and info["running"] == 0
+    assert info["kv_pages_free"] + info["cached_pages"] == info["kv_pages_total"]
+    assert info["detokenizer"] == {"requests": 0, "unknown_rids": info["detokenizer"]["unknown_rids"]}
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, baseline, stream):
     bodies = requests_for(1)
@@ -122,6 +130,7 @@ async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, ba
     assert kills == 3 and info["restarts"]["scheduler"] == kills
     assert texts == expected
     assert_clean(app)
+    assert_drained(info)
 
 
 async def run_with_fault(nursery, bodies, fault, **overrides):
@@ -136,6 +145,7 @@ async def run_with_fault(nursery, bodies, fault, **overrides):
             while not any(state.output_ids for state in tm.rid_to_state.values()):
                 await trio.sleep(0.01)
             await fault(app, client)
+        assert_drained((await client.get("/server_info")).json())
     return texts, app
 
 

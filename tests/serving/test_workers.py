@@ -16,7 +16,7 @@ from serving.cli import serve_workers
 from serving.topology import TopologyError, load_topology
 
 from ..conftest import free_tcp_port
-from .test_recovery import RECOVERY, baseline, requests_for, runner  # noqa: F401 - fixtures
+from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, runner  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -61,11 +61,6 @@ async def wait_for(client, predicate):
         while not predicate(info := (await client.get("/server_info")).json()):
             await trio.sleep(0.01)
     return info
-
-
-def assert_scheduler_clean(info):
-    assert info["requests_by_worker"] == {} and info["waiting"] == 0 and info["running"] == 0
-    assert info["kv_pages_free"] + info["cached_pages"] == info["kv_pages_total"]
 
 
 def test_workers_need_ipc_or_tcp_links(tmp_path):
@@ -128,7 +123,7 @@ async def test_two_workers_serve_route_and_abort_across_workers(nursery):
         _, _, finish = parse_sse(ended["response"].text)
         assert finish["type"] == "abort"
         assert (await clients[1].post("/abort_request", json={"rid": "nobody"})).json()["aborted"] is False
-        assert_scheduler_clean(await wait_for(clients[1], lambda info: info["running"] == 0))
+        assert_drained(await wait_for(clients[1], lambda info: info["running"] == 0))
     nursery.cancel_scope.cancel()
 
 
@@ -174,7 +169,7 @@ async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nurs
         assert len(completed) == 3 and all(len(ids) == 400 and finish["type"] == "length"
                                            for _, ids, finish in completed)
         assert engine.restarts == {"scheduler": 0, "detokenizer": 0, "control": 0, "worker-0": 1, "worker-1": 0}
-        assert_scheduler_clean(await wait_for(probe, lambda info: info["running"] == 0))
+        assert_drained(await wait_for(probe, lambda info: info["running"] == 0))
     nursery.cancel_scope.cancel()
 
 
@@ -202,5 +197,5 @@ async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, ba
         info = (await probe.get("/server_info")).json()
     assert texts == expected
     assert info["restarts"]["scheduler"] == 1
-    assert_scheduler_clean(info)
+    assert_drained(info)
     nursery.cancel_scope.cancel()
