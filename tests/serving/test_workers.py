@@ -199,3 +199,57 @@ async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, ba
     assert info["restarts"]["scheduler"] == 1
     assert_drained(info)
     nursery.cancel_scope.cancel()
+
+
+async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(nursery):
+    topology = load_topology("multi-worker", {"model.path": "tiny", "server.port": free_tcp_port(),
+                                              "supervision.max_restarts": 0})
+    url = f"http://127.0.0.1:{topology.server.port}"
+    returned = {}
+
+    async def serve(task_status=trio.TASK_STATUS_IGNORED):
+        returned["failure"] = await serve_workers(topology, failure_grace=0.5, task_status=task_status)
+
+    engine = await nursery.start(serve)
+    ended = {}
+    async with AsyncExitStack() as stack:
+        pinned = await pinned_clients(stack, url, per_worker=2)
+        pids = (await pinned[0][0].get("/server_info")).json()["pids"]
+
+        streaming = trio.Semaphore(0)
+
+        async def long_request(worker, k):
+            body = {"input_ids": [5, 6, 7], "stream": k == 0,
+                    "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+            async with pinned[worker][k].stream("POST", "/generate", json=body) as r:
+                text = ""
+                async for piece in r.aiter_text():  # read to the end
+                    if not text and body["stream"]:
+                        streaming.release()
+                    text += piece
+            ended[worker, k] = (r.status_code, text, trio.current_time())
+
+        probe = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+        async with trio.open_nursery() as inner:
+            for worker in (0, 1):
+                for k in (0, 1):
+                    inner.start_soon(long_request, worker, k)
+            await wait_for(probe, lambda info: info["requests_by_worker"] == {"0": 2, "1": 2})
+            for _ in (0, 1):  # both streams are flowing
+                await streaming.acquire()
+            os.kill(pids["scheduler"], signal.SIGKILL)
+            killed_at = trio.current_time()
+    assert engine.failed.is_set()
+    for (worker, k), (status, text, at) in ended.items():
+        assert at - killed_at < 1.0, (worker, k, at - killed_at)
+        if k == 0:  # streaming: an error event, then [DONE]
+            assert status == 200 and '"error"' in text and text.endswith("data: [DONE]\n\n"), text[-300:]
+        else:
+            assert status == 503, text
+    with trio.fail_after(60):
+        while "failure" not in returned:
+            await trio.sleep(0.05)  # serve_workers stops the children and returns
+    assert "more than 0 restarts" in str(returned["failure"])
+    for pid in pids.values():  # every child process is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
