@@ -66,6 +66,8 @@ class AsyncEngine:
         self.crashes: dict[tuple[str, str], int] = {}  # (actor, cause) → count
         self._start_seen = trio.Event()
         self.broadcaster: Any = None  # tokenizer workers: where their RuntimeStatus goes
+        self.paused = False  # tokenizer workers: their shared gates
+        self.updating = False
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -83,8 +85,13 @@ class AsyncEngine:
             scheduler_up=self._scheduler_up.is_set() and self.scheduler_running(), resume=resume,
             failure=None if self.failure is None else str(self.failure), restarts=self.restarts,
             crashes=[(actor, cause, count) for (actor, cause), count in self.crashes.items()],
-            recoveries=list(self.recoveries), pids=self.pids(),
+            recoveries=list(self.recoveries), pids=self.pids(), paused=self.paused, updating=self.updating,
         )
+
+    def publish(self) -> None:
+        """Tell the tokenizer workers how things stand (after a change made here)."""
+        if self.broadcaster is not None and self.failure is None:
+            self.broadcaster.publish(self.status())
 
     async def started(self, child: str, times: int) -> None:
         """Wait until ``child`` has started ``times`` times (1: its first start)."""
@@ -229,9 +236,8 @@ async def open_runtime(topology: Topology, *, listen_fd: int | None = None) -> A
                 from .workers import worker_specs
 
                 addresses["control"] = f"ipc://{runtime_dir}/control"
-                specs, _ = worker_specs(topology, addresses, topology.worker_addresses(Path(runtime_dir)), hub,
-                                        listen_fd, on_stall)
-                return specs
+                return worker_specs(topology, addresses, topology.worker_addresses(Path(runtime_dir)), hub,
+                                    listen_fd, lambda: engine)
 
             specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), frontend)
             supervisor = make_supervisor(topology, specs, on_event)

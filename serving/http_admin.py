@@ -94,12 +94,12 @@ async def flush_cache(request: Request, state: ServerState) -> Response:
 
 
 async def pause_generation(request: Request, state: ServerState) -> Response:
-    state.pause()
+    await state.set_paused(True)
     return JSONResponse({"paused": True})
 
 
 async def continue_generation(request: Request, state: ServerState) -> Response:
-    state.resume()
+    await state.set_paused(False)
     return JSONResponse({"paused": False})
 
 

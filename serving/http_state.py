@@ -136,6 +136,25 @@ class ServerState:
         self._writing = False
         self._writer_done = trio.Event()
         self._writer_done.set()
+        # a tokenizer worker: pause and weight updates are server-wide, through the main process
+        self.shared = hasattr(engine, "on_gate")
+        if self.shared:
+            engine.on_gate = self._set_gate
+
+    def _set_gate(self, closed: bool) -> None:
+        if closed:
+            self.pause()
+        else:
+            self.resume()
+
+    async def set_paused(self, paused: bool) -> None:
+        if not self.shared:
+            self._set_gate(paused)
+            return
+        try:
+            await self.engine.set_paused(paused)
+        except CallError as exc:
+            raise BadRequest(f"could not reach the other workers: {exc}", status=503) from None
 
     # -- gates: pause, and the reader/writer lock around weight updates ----------
 
@@ -169,6 +188,12 @@ class ServerState:
     async def update_weights(self, path: str) -> tuple[bool, str]:
         if not os.path.exists(path):
             return False, f"model_path: {path} does not exist"
+        if self.shared:
+            try:
+                result = await self.engine.update_weights(path)
+            except CallError as exc:
+                raise BadRequest(f"could not reach the main process: {exc}", status=503) from None
+            return result["success"], result["message"]
         async with self._writer:
             self._writing = True
             self._writer_done = trio.Event()

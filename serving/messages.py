@@ -35,11 +35,13 @@ __all__ = [
     "GenerateReq",
     "HealthProbe",
     "SamplingParams",
+    "SetPaused",
     "SchedulerInbox",
     "RuntimeStatus",
     "ServerInfoReq",
     "StopStringHit",
     "TokenizerInbox",
+    "UpdateWeightsAll",
     "UpdateWeightsReq",
     "WorkerStalled",
 ]
@@ -222,6 +224,8 @@ class RuntimeStatus(msgspec.Struct, tag=True, array_like=True, gc=False):
     crashes: list[tuple[str, str, int]] = []  # (actor, cause, count)
     recoveries: list[float] = []
     pids: dict[str, int] = {}
+    paused: bool = False  # /pause_generation on any worker holds new requests on every worker
+    updating: bool = False  # weights are being replaced: new requests wait on every worker
 
 
 TokenizerInbox = BatchStrOut | RuntimeStatus
@@ -237,4 +241,19 @@ class WorkerStalled(msgspec.Struct, tag=True, array_like=True, gc=False):
     message: str
 
 
-ControlInbox = WorkerStalled
+class SetPaused(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """By ``call``: pause or continue generation on every worker."""
+
+    paused: bool
+
+
+class UpdateWeightsAll(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """By ``call``: hold new requests on every worker, let those in flight finish on the
+    old weights, load new ones, let the held requests go; the reply is
+    ``{"success", "message"}``."""
+
+    model_path: str
+    timeout: float = 600.0
+
+
+ControlInbox = WorkerStalled | SetPaused | UpdateWeightsAll

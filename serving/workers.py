@@ -33,7 +33,16 @@ import trio
 from actors import Actor, ActorChild, CallError, ChildSpec, Context, WatchdogTimeout
 from actors.process import ProcessChild
 
-from .messages import AbortWhere, ControlInbox, RuntimeStatus, WorkerStalled
+from .messages import (
+    AbortWhere,
+    ControlInbox,
+    RuntimeStatus,
+    ServerInfoReq,
+    SetPaused,
+    UpdateWeightsAll,
+    UpdateWeightsReq,
+    WorkerStalled,
+)
 from .tokenizer_manager import TokenizerManager
 from .topology import Topology, tokenizer_source
 
@@ -51,23 +60,55 @@ class OutputStalled(Exception):
 
 
 class Coordinator(Actor):
-    """The main process's mailbox: stall reports from workers; aborts for dead workers."""
+    """The main process's mailbox: stall reports and server-wide admin from workers;
+    aborts for dead workers. ``engine`` is the main process's AsyncEngine."""
 
     inbox = ControlInbox
 
-    def __init__(self, scheduler: str, on_stall: Callable[[OutputStalled], None]) -> None:
+    def __init__(self, scheduler: str, engine: Callable[[], Any]) -> None:
         self.scheduler = scheduler
-        self.on_stall = on_stall
+        self.engine = engine
         self.ctx: Context | None = None
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    async def handle(self, msg: Any) -> None:
+    async def handle(self, msg: Any) -> Any:
+        engine = self.engine()
         match msg:
             case WorkerStalled(worker, message):
                 log.error("tokenizer worker %d: %s", worker, message)
-                self.on_stall(OutputStalled(f"tokenizer worker {worker}: {message}"))
+                engine.supervisor.kill("scheduler", OutputStalled(f"tokenizer worker {worker}: {message}"))
+            case SetPaused(paused):
+                engine.paused = paused
+                engine.publish()
+                return paused
+            case UpdateWeightsAll(path, timeout):
+                return await self._update_weights(engine, path, timeout)
+        return None
+
+    async def _update_weights(self, engine: Any, path: str, timeout: float) -> dict[str, Any]:
+        """Like the single-process reader/writer lock, across workers: close every
+        worker's gate, wait until the scheduler holds no request (those in flight
+        finish on the old weights), load, open the gates."""
+        assert self.ctx is not None
+        engine.updating = True
+        engine.publish()
+        try:
+            with trio.move_on_after(timeout):
+                while True:
+                    info = await self.ctx.call(self.scheduler, ServerInfoReq(), timeout=10.0)
+                    if info["waiting"] == 0 and info["running"] == 0:
+                        result = await self.ctx.call(self.scheduler, UpdateWeightsReq(path), timeout=timeout)
+                        if result["success"] or "in flight" not in result["message"]:
+                            return result
+                    await trio.sleep(0.05)  # draining: poll the scheduler's queues
+            return {"success": False, "message": f"requests still in flight after {timeout:g} s"}
+        except CallError as exc:
+            return {"success": False, "message": f"the scheduler did not answer: {exc}"}
+        finally:
+            engine.updating = False
+            engine.publish()
 
     async def abort_worker(self, worker: int, message: str) -> int:
         """Abort every request of ``worker`` in the scheduler; how many (0 if it does not answer)."""
@@ -139,8 +180,7 @@ class _WorkerProcess:
 
 
 def worker_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any,
-                 listen_fd: int, on_stall: Callable[[OutputStalled], None]
-                 ) -> tuple[list[ChildSpec], Callable[[], Coordinator | None]]:
+                 listen_fd: int, engine: Callable[[], Any]) -> list[ChildSpec]:
     """The coordinator and the N worker processes, in start order."""
     grace = topology.supervision.shutdown_grace
     control = addresses["control"]
@@ -151,7 +191,7 @@ def worker_specs(topology: Topology, addresses: dict[str, str], workers: list[st
         return actor if isinstance(actor, Coordinator) else None
 
     def start_coordinator() -> ActorChild:
-        child = ActorChild(lambda: Coordinator(addresses["scheduler"], on_stall), control, hub)
+        child = ActorChild(lambda: Coordinator(addresses["scheduler"], engine), control, hub)
         coordinator_child[:] = [child]
         return child
 
@@ -172,7 +212,7 @@ def worker_specs(topology: Topology, addresses: dict[str, str], workers: list[st
 
     specs = [ChildSpec("control", start_coordinator, shutdown=grace)]
     specs += [ChildSpec(f"worker-{i}", start_worker(i), shutdown=grace) for i in range(len(workers))]
-    return specs, coordinator
+    return specs
 
 
 # -- a worker process --------------------------------------------------------------
@@ -182,10 +222,12 @@ class WorkerRuntime:
     """What the HTTP routes of a worker see of the runtime (AsyncEngine's face),
     kept up to date by the main process's RuntimeStatus messages."""
 
-    def __init__(self, topology: Topology, tokenizer: Any, worker: int) -> None:
+    def __init__(self, topology: Topology, tokenizer: Any, worker: int, control: str) -> None:
         self.topology = topology
         self.tokenizer = tokenizer
         self.worker = worker
+        self.control = control
+        self.on_gate: Callable[[bool], None] | None = None  # the HTTP state's gate: closed or open
         self.tokenizer_manager: TokenizerManager | None = None
         self.failure: BaseException | None = None
         self.failed = trio.Event()
@@ -206,6 +248,20 @@ class WorkerRuntime:
     def pids(self) -> dict[str, int]:
         return dict(self._pids)
 
+    async def set_paused(self, paused: bool) -> None:
+        """Pause or continue every worker (through the main process)."""
+        if self.on_gate is not None:
+            self.on_gate(paused)  # this one at once
+        await self._call_control(SetPaused(paused), timeout=10.0)
+
+    async def update_weights(self, path: str) -> dict[str, Any]:
+        return await self._call_control(UpdateWeightsAll(path), timeout=660.0)
+
+    async def _call_control(self, msg: Any, *, timeout: float) -> Any:
+        tm = self.tokenizer_manager
+        assert tm is not None
+        return await tm.ctx.call(self.control, msg, timeout=timeout)
+
     async def apply(self, status: RuntimeStatus) -> None:
         tm = self.tokenizer_manager
         assert tm is not None
@@ -223,6 +279,8 @@ class WorkerRuntime:
             count = tm.fail_all(f"the server failed: {status.failure}")
             log.critical("runtime failed (%s); ended %d requests in flight", status.failure, count)
             return
+        if self.on_gate is not None:
+            self.on_gate(status.paused or status.updating)
         self._running = status.scheduler_up
         if status.scheduler_up:
             self._up.set()
@@ -258,7 +316,7 @@ class HttpWorker:
         from .http_server import build_app
 
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_source(self.topology.model))
-        runtime = self.runtime = WorkerRuntime(self.topology, tokenizer, self.index)
+        runtime = self.runtime = WorkerRuntime(self.topology, tokenizer, self.index, self.control)
         tm_child = ActorChild(lambda: TokenizerManager(
             tokenizer, scheduler=self.scheduler, detokenizer=self.detokenizer, worker=self.index,
             watchdog_timeout=self.topology.watchdogs.output_timeout,

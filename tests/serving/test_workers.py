@@ -17,6 +17,7 @@ from serving.topology import TopologyError, load_topology
 
 from ..conftest import free_tcp_port
 from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, runner  # noqa: F401 - fixtures
+from .test_update_weights import GREEDY, model_dirs  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -253,3 +254,53 @@ async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(n
     for pid in pids.values():  # every child process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_pause_and_weight_updates_hold_every_worker(nursery, model_dirs):
+    url, engine = await start_workers(nursery, **{"model.path": model_dirs["a"], "model.dtype": "float32"})
+    async with AsyncExitStack() as stack:
+        pinned = await pinned_clients(stack, url, per_worker=2)
+        before = (await pinned[1][0].post("/generate", json=GREEDY)).json()["output_ids"]
+
+        # paused through worker 0: worker 1 holds new requests too, until continued through worker 1
+        assert (await pinned[0][0].post("/pause_generation")).json() == {"paused": True}
+        done = trio.Event()
+
+        async def ask():
+            r = await pinned[1][1].post("/generate", json=GREEDY)
+            assert r.status_code == 200
+            done.set()
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(ask)
+            with trio.move_on_after(1.0):
+                await done.wait()
+            assert not done.is_set()
+            assert (await pinned[1][0].post("/continue_generation")).json() == {"paused": False}
+            await done.wait()
+
+        # a weight update through worker 0 waits for a request in flight on worker 1
+        order = []
+
+        async def long_request():
+            r = await pinned[1][1].post("/generate", json={**GREEDY, "sampling_params": {
+                "max_new_tokens": 300, "ignore_eos": True, "temperature": 0}})
+            assert r.status_code == 200
+            order.append("request finished")
+
+        async def update():
+            r = await pinned[0][0].post("/update_weights_from_disk", json={"model_path": model_dirs["b"]})
+            assert r.status_code == 200, r.text
+            order.append("weights updated")
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(long_request)
+            await wait_for(pinned[1][0], lambda info: info["requests_by_worker"].get("1"))
+            inner.start_soon(update)
+        assert order == ["request finished", "weights updated"]
+        after = [(await pinned[w][0].post("/generate", json=GREEDY)).json()["output_ids"] for w in (0, 1)]
+        assert after[0] == after[1] != before
+        r = await pinned[1][0].post("/update_weights_from_disk", json={"model_path": model_dirs["wide"]})
+        assert r.status_code == 400 and "hidden_size" in r.json()["error"]["message"]
+    assert not engine.paused and not engine.updating
+    nursery.cancel_scope.cancel()
