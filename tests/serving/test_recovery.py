@@ -279,3 +279,31 @@ async def test_past_the_restart_intensity_requests_fail_fast_and_the_server_exit
     finally:
         server.kill()
         await server.wait()
+
+
+@pytest.mark.slow
+async def test_smollm2_requests_survive_a_scheduler_kill(nursery):
+    """The real model (float32, so a resumed prefill rounds as the decode did):
+    a kill -9 in mid-decode changes no request's text."""
+    url, app = await start_server(nursery, "default", **{
+        "model.path": None, "model.dtype": "float32", "scheduler.enable_prefix_cache": False,
+        "supervision.max_restarts": 20})
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
+    bodies = [{"text": p, "rid": f"smol-{i}", "sampling_params": {"max_new_tokens": 40, "temperature": 0.0,
+                                                                  "ignore_eos": True}}
+              for i, p in enumerate(prompts)]
+    tm = app.state.server.engine.tokenizer_manager
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        fault_free = {}
+        await run_all(client, bodies, True, fault_free)
+        texts = {}
+        async with trio.open_nursery() as inner:
+            inner.start_soon(run_all, client, bodies, True, texts)
+            while sum(len(state.output_ids) for state in tm.rid_to_state.values()) < 60:
+                await trio.sleep(0.005)  # a third of the way into decoding
+            os.kill(scheduler_pid(app), signal.SIGKILL)
+        info = (await client.get("/server_info")).json()
+    assert info["restarts"]["scheduler"] == 1
+    assert texts == fault_free
+    assert all(len(ids) == 40 for _, ids in texts.values())
+    assert_drained(info)
