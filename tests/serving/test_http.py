@@ -103,12 +103,13 @@ async def test_admin_routes(server):
     assert "tercet_time_to_first_token_seconds" in metrics and "tercet_num_running_reqs" in metrics
 
 
-async def test_pause_holds_new_requests_until_continue(server):
-    assert (await server.post("/pause_generation")).json() == {"paused": True}
+async def assert_held_until_continued(pauser, asker, continuer):
+    """Paused through ``pauser``, a request through ``asker`` waits until ``continuer`` continues."""
+    assert (await pauser.post("/pause_generation")).json() == {"paused": True}
     done = trio.Event()
 
     async def ask():
-        r = await server.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        r = await asker.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200
         done.set()
 
@@ -117,8 +118,12 @@ async def test_pause_holds_new_requests_until_continue(server):
         with trio.move_on_after(1.0):
             await done.wait()
         assert not done.is_set()
-        await server.post("/continue_generation")
+        assert (await continuer.post("/continue_generation")).json() == {"paused": False}
         await done.wait()
+
+
+async def test_pause_holds_new_requests_until_continue(server):
+    await assert_held_until_continued(server, server, server)
 
 
 BAD = [

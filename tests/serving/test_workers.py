@@ -16,6 +16,7 @@ from serving.cli import serve_workers
 from serving.topology import TopologyError, load_topology
 
 from ..conftest import free_tcp_port
+from .test_http import assert_held_until_continued
 from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, runner  # noqa: F401 - fixtures
 from .test_update_weights import GREEDY, model_dirs  # noqa: F401 - a fixture
 
@@ -263,21 +264,7 @@ async def test_pause_and_weight_updates_hold_every_worker(nursery, model_dirs):
         before = (await pinned[1][0].post("/generate", json=GREEDY)).json()["output_ids"]
 
         # paused through worker 0: worker 1 holds new requests too, until continued through worker 1
-        assert (await pinned[0][0].post("/pause_generation")).json() == {"paused": True}
-        done = trio.Event()
-
-        async def ask():
-            r = await pinned[1][1].post("/generate", json=GREEDY)
-            assert r.status_code == 200
-            done.set()
-
-        async with trio.open_nursery() as inner:
-            inner.start_soon(ask)
-            with trio.move_on_after(1.0):
-                await done.wait()
-            assert not done.is_set()
-            assert (await pinned[1][0].post("/continue_generation")).json() == {"paused": False}
-            await done.wait()
+        await assert_held_until_continued(pinned[0][0], pinned[1][1], pinned[1][0])
 
         # a weight update through worker 0 waits for a request in flight on worker 1
         order = []
