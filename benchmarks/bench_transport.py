@@ -68,7 +68,7 @@ def plan(smoke: bool, size: int) -> tuple[int, int]:
 # ---- tercet (trio) ----------------------------------------------------------
 
 async def tercet_sink(hub, data_address: str, back_address: str) -> None:
-    receiver = await hub.bind(data_address, Msg, capacity=1024)
+    receiver = await hub.bind(data_address, Msg, capacity=1024, senders=1)
     sender = await hub.connect(back_address)
     await sender.send(Msg(PING))  # ready
     async for msg in receiver:
@@ -79,6 +79,11 @@ async def tercet_sink(hub, data_address: str, back_address: str) -> None:
         elif msg.kind == STOP:
             break
     await sender.aclose()
+    # Wait for the source's end-of-stream (it follows STOP): closing the
+    # receiver before it arrives would leave the source's close waiting for an
+    # acknowledgement forever.
+    async for _ in receiver:
+        pass
     await receiver.aclose()
 
 

@@ -6,11 +6,26 @@ channel and decodes in the caller's task. While the channel is full the owner
 reads nothing, so libzmq's receive high-water mark fills and the senders'
 sockets block in turn: backpressure reaches every sender.
 
+Hot path: a ``receive`` that finds the channel empty while the owner is not
+waiting on the socket's FD takes the socket itself ("holds" it): it reads
+the next message straight from the socket, or waits on the FD in the owner's
+place. The owner stays off the socket while a receiving task holds it (it
+parks, and the holder wakes it when it lets go, on every exit from
+``receive``), so one task at a time touches the socket and waits on its FD.
+A round trip then costs one task wake-up instead of two (owner, then
+receiver). The owner hands the socket over, without any cancellation, when
+its wake-up fed a task waiting in ``receive``: that task, coming back for
+the next message, finds the owner parked. Messages arriving while nobody is
+in ``receive`` are still pumped by the owner (end-of-stream acknowledgements
+included). Ordering holds: the holder reads the socket only when the channel
+is empty, and the owner puts what it reads in the channel without yielding.
+
 ROUTER rather than PULL because the receiver must answer each sender's
 end-of-stream with an acknowledgement, addressed by the routing id ROUTER
 puts in front of every message. The acknowledgement goes out as soon as the
-owner reads the end marker: everything that sender sent before it has then
-left the wire and is in this process (in the channel, or about to be).
+end marker is read (by the owner or a holder): everything that sender sent
+before it has then left the wire and is in this process (in the channel, or
+about to be returned).
 """
 
 from __future__ import annotations
@@ -68,6 +83,12 @@ class ZmqReceiver(Receiver[Any]):
         self._owner_scope = trio.CancelScope()
         self._forget = forget
         self._monitor_address = monitor_address  # an inproc name unique in the context
+        # Who may touch the socket (see the module docstring): a receiving
+        # task holding it, else the owner.
+        self._held = False  # a task in receive holds the socket
+        self._owner_on_fd = False  # the owner is waiting on the FD
+        self._owner_parked: trio.lowlevel.Task | None = None  # ...or waits for the holder
+        self._channel_waiters = 0  # tasks in receive waiting on the channel
 
     async def receive(self) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -87,21 +108,86 @@ class ZmqReceiver(Receiver[Any]):
     async def _next_item(self) -> Any:
         # Taking a ready item without a schedule point is safe against
         # cancellation (nothing can interrupt between taking and returning);
-        # a real yield still comes every YIELD_EVERY items.
-        try:
-            if self._unyielded < YIELD_EVERY:
-                try:
-                    item = self._from_owner.receive_nowait()
-                    self._unyielded += 1
-                    return item
-                except trio.WouldBlock:
-                    pass
+        # a real yield still comes every YIELD_EVERY items, before taking one.
+        if self._unyielded >= YIELD_EVERY:
             self._unyielded = 0
-            return await self._from_owner.receive()
+            await trio.lowlevel.checkpoint()
+        try:
+            item = self._from_owner.receive_nowait()
+            self._unyielded += 1
+            return item
+        except trio.WouldBlock:
+            pass
         except trio.EndOfChannel:  # the owner stopped without our aclose
-            raise trio.BrokenResourceError(
-                f"{self.address}: {self._failure or 'the transport was closed'}"
-            ) from None
+            raise self._broken() from None
+        if self._held or self._owner_on_fd or self.finished.is_set():
+            return await self._wait_on_channel()
+        self._held = True
+        try:
+            return await self._take_from_socket()
+        finally:
+            self._held = False
+            self._wake_owner()
+
+    async def _wait_on_channel(self) -> Any:
+        self._channel_waiters += 1
+        try:
+            item = await self._from_owner.receive()
+        except trio.EndOfChannel:
+            raise self._broken() from None
+        finally:
+            self._channel_waiters -= 1
+            self._wake_owner()  # it may have parked for us after feeding us
+        self._unyielded = 0
+        return item
+
+    async def _take_from_socket(self) -> Any:
+        """Read the next message off the socket in the owner's place (the owner is off it)."""
+        sock = self._sock
+        while True:
+            try:
+                peer = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                try:
+                    # FACTS items 1-2: tried first, and EVENTS re-read before the wait
+                    await wait_to_retry(sock, self._fd, zmq.POLLIN)
+                except trio.ClosedResourceError:  # the owner closed the socket
+                    break
+                self._unyielded = 0
+                continue
+            except zmq.ZMQError as exc:
+                if not is_closed_error(exc):
+                    raise trio.BrokenResourceError(f"{self.address}: {exc}") from None
+                break
+            parts = recv_parts(sock)
+            self._unyielded += 1
+            if len(parts) == 1 and not len(parts[0]):
+                self._acknowledge(peer)
+                return _END
+            return parts
+        # closed under us: the channel says how (our aclose, or the transport's)
+        self._held = False
+        return await self._wait_on_channel()
+
+    def _wake_owner(self) -> None:
+        task = self._owner_parked
+        if task is not None:
+            self._owner_parked = None
+            trio.lowlevel.reschedule(task)
+
+    async def _park_owner(self) -> None:
+        """The owner waits until a holder lets go of the socket (or is cancelled)."""
+        self._owner_parked = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._unpark)
+
+    def _unpark(self, _: Any) -> trio.lowlevel.Abort:
+        self._owner_parked = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _broken(self) -> trio.BrokenResourceError:
+        return trio.BrokenResourceError(
+            f"{self.address}: {self._failure or 'the transport was closed'}"
+        )
 
     async def aclose(self) -> None:
         """Close, and return once the socket's connections are closed as well.
@@ -155,32 +241,51 @@ class ZmqReceiver(Receiver[Any]):
     async def _pump(self) -> None:
         sock, fd, put = self._sock, self._fd, self._to_user
         while True:
+            if self._held:
+                await self._park_owner()  # the holder reads the socket; it wakes us
+                continue
+            fed_a_waiter = self._channel_waiters > 0
             taken = 0
+            blocked = False
             while taken < DRAIN_BATCH:
                 try:
                     peer = sock.recv(_NOBLOCK)  # FACTS item 1: try before waiting
                 except zmq.Again:
                     break
                 taken += 1
-                parts = recv_parts(sock)  # the rest of a message is always there
+                item = parts = recv_parts(sock)  # the rest of a message is always there
                 if len(parts) == 1 and not len(parts[0]):
                     # acknowledged at once: everything before it is off the
                     # wire, and a receiver closed before putting it in the
                     # channel must not leave that sender's close hanging
                     self._acknowledge(peer)
-                    await put.send(_END)
-                    continue
+                    item = _END
                 try:
-                    put.send_nowait(parts)
+                    put.send_nowait(item)
                 except trio.WouldBlock:
-                    await put.send(parts)  # full: stop reading, let the HWM push back
-            if taken:
+                    # full: stop reading, let the HWM push back. Once in the
+                    # channel, look again who holds the socket.
+                    await put.send(item)
+                    blocked = True
+                    break
+            if blocked:
+                continue
+            if taken >= DRAIN_BATCH:
                 # Let the receiving task handle what was taken before we look
                 # again (and let others run). Shielded: a message just taken is
                 # never lost to a cancel here (FACTS item 6).
                 await trio.lowlevel.cancel_shielded_checkpoint()
+            elif taken and fed_a_waiter:
+                # The socket is drained and a task in receive got a message
+                # from us: it comes back for the next one and reads the
+                # socket itself; it wakes us when it leaves receive.
+                await self._park_owner()
             else:
-                await wait_to_retry(sock, fd, zmq.POLLIN)
+                self._owner_on_fd = True
+                try:
+                    await wait_to_retry(sock, fd, zmq.POLLIN)
+                finally:
+                    self._owner_on_fd = False
 
     def _acknowledge(self, peer: bytes) -> None:
         # ROUTER drops a message to a peer that has gone: nothing to wait for

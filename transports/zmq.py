@@ -8,11 +8,15 @@ do not modify an array after sending it). An end-of-stream is one empty frame; t
 receiver answers it with an acknowledgement once it holds everything sent
 before it, and only then does ``Sender.aclose()`` return.
 
-Each socket is owned by one task in the hub's nursery: the only task that
-ever waits on the socket's edge-triggered FD. (One shortcut: a ``send``
-while the owner has nothing queued puts the frames on the socket itself,
-non-blocking; the owner is then idle, so no FD wake-up can be stolen.) See ``_zmqsocket`` for the
-pitfalls handled, ``_zmqsender`` and ``_zmqreceiver`` for the two ends.
+Each socket is owned by one task in the hub's nursery, and one task at a
+time touches it and waits on its edge-triggered FD. Two shortcuts hand the
+socket to the caller while the owner is idle: a ``send`` while the owner
+has nothing queued puts the frames on the socket itself, non-blocking; a
+``receive`` that finds nothing buffered while the owner is not waiting on
+the FD reads the socket (or waits on its FD) itself, with the owner parked
+until it leaves ``receive`` (one wake-up per message instead of two). See
+``_zmqsocket`` for the pitfalls handled, ``_zmqsender`` and ``_zmqreceiver``
+for the two ends.
 
 Backpressure: a receiver's ``capacity`` sizes its channel and its receive
 high-water mark, a sender's ``capacity`` its queue and send high-water mark
