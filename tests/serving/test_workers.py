@@ -76,8 +76,8 @@ def test_workers_need_ipc_or_tcp_links(tmp_path):
     assert [a.rsplit(":", 1)[1] for a in tcp.worker_addresses("/run")] == ["30103", "30104"]
 
 
-async def test_two_workers_serve_route_and_abort_across_workers(nursery):
-    url, engine = await start_workers(nursery)
+async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, model_dirs):
+    url, engine = await start_workers(nursery, **{"model.path": model_dirs["a"], "model.dtype": "float32"})
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=3)
         clients = {worker: pinned[worker][0] for worker in pinned}
@@ -126,6 +126,36 @@ async def test_two_workers_serve_route_and_abort_across_workers(nursery):
         assert finish["type"] == "abort"
         assert (await clients[1].post("/abort_request", json={"rid": "nobody"})).json()["aborted"] is False
         assert_drained(await wait_for(clients[1], lambda info: info["running"] == 0))
+
+        before = (await pinned[1][0].post("/generate", json=GREEDY)).json()["output_ids"]
+
+        # paused through worker 0: worker 1 holds new requests too, until continued through worker 1
+        await assert_held_until_continued(pinned[0][0], pinned[1][1], pinned[1][0])
+
+        # a weight update through worker 0 waits for a request in flight on worker 1
+        order = []
+
+        async def long_request():
+            r = await pinned[1][1].post("/generate", json={**GREEDY, "sampling_params": {
+                "max_new_tokens": 300, "ignore_eos": True, "temperature": 0}})
+            assert r.status_code == 200
+            order.append("request finished")
+
+        async def update():
+            r = await pinned[0][0].post("/update_weights_from_disk", json={"model_path": model_dirs["b"]})
+            assert r.status_code == 200, r.text
+            order.append("weights updated")
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(long_request)
+            await wait_for(pinned[1][0], lambda info: info["requests_by_worker"])  # in flight
+            inner.start_soon(update)
+        assert order == ["request finished", "weights updated"]
+        after = [(await pinned[w][0].post("/generate", json=GREEDY)).json()["output_ids"] for w in (0, 1)]
+        assert after[0] == after[1] != before
+        r = await pinned[1][0].post("/update_weights_from_disk", json={"model_path": model_dirs["wide"]})
+        assert r.status_code == 400 and "hidden_size" in r.json()["error"]["message"]
+    assert not engine.paused and not engine.updating
     nursery.cancel_scope.cancel()
 
 
@@ -255,39 +285,3 @@ async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(n
     for pid in pids.values():  # every child process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
-
-async def test_pause_and_weight_updates_hold_every_worker(nursery, model_dirs):
-    url, engine = await start_workers(nursery, **{"model.path": model_dirs["a"], "model.dtype": "float32"})
-    async with AsyncExitStack() as stack:
-        pinned = await pinned_clients(stack, url, per_worker=2)
-        before = (await pinned[1][0].post("/generate", json=GREEDY)).json()["output_ids"]
-
-        # paused through worker 0: worker 1 holds new requests too, until continued through worker 1
-        await assert_held_until_continued(pinned[0][0], pinned[1][1], pinned[1][0])
-
-        # a weight update through worker 0 waits for a request in flight on worker 1
-        order = []
-
-        async def long_request():
-            r = await pinned[1][1].post("/generate", json={**GREEDY, "sampling_params": {
-                "max_new_tokens": 300, "ignore_eos": True, "temperature": 0}})
-            assert r.status_code == 200
-            order.append("request finished")
-
-        async def update():
-            r = await pinned[0][0].post("/update_weights_from_disk", json={"model_path": model_dirs["b"]})
-            assert r.status_code == 200, r.text
-            order.append("weights updated")
-
-        async with trio.open_nursery() as inner:
-            inner.start_soon(long_request)
-            await wait_for(pinned[1][0], lambda info: info["requests_by_worker"].get("1"))
-            inner.start_soon(update)
-        assert order == ["request finished", "weights updated"]
-        after = [(await pinned[w][0].post("/generate", json=GREEDY)).json()["output_ids"] for w in (0, 1)]
-        assert after[0] == after[1] != before
-        r = await pinned[1][0].post("/update_weights_from_disk", json={"model_path": model_dirs["wide"]})
-        assert r.status_code == 400 and "hidden_size" in r.json()["error"]["message"]
-    assert not engine.paused and not engine.updating
-    nursery.cancel_scope.cancel()
