@@ -236,8 +236,10 @@ async def open_runtime(topology: Topology, *, listen_fd: int | None = None) -> A
                 from .workers import worker_specs
 
                 addresses["control"] = f"ipc://{runtime_dir}/control"
+                metrics_dir = Path(runtime_dir) / "metrics"
+                metrics_dir.mkdir()
                 return worker_specs(topology, addresses, topology.worker_addresses(Path(runtime_dir)), hub,
-                                    listen_fd, lambda: engine)
+                                    listen_fd, lambda: engine, str(metrics_dir))
 
             specs, addresses = build_children(topology, hub, tokenizer, Path(runtime_dir), frontend)
             supervisor = make_supervisor(topology, specs, on_event)

@@ -42,9 +42,18 @@ async def decode_body(request: Request, type_: Any) -> Any:
 
 
 class Metrics:
-    """Prometheus metrics of one server (its own registry: no global state)."""
+    """Prometheus metrics of one server (its own registry: no global state).
+
+    In a tokenizer worker (``PROMETHEUS_MULTIPROC_DIR`` set by the main process
+    before the worker started), every worker writes its values to that
+    directory and ``render`` adds up all of them, dead workers' included: any
+    worker answers /metrics for the whole server. Gauges say how: the
+    scheduler's figures and the restart counts are the same everywhere
+    (latest, max), resumed requests add up.
+    """
 
     def __init__(self) -> None:
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         self.registry = r = CollectorRegistry()
         self.requests = Counter("tercet_requests", "Generation requests finished, by finish reason",
                                 ["finish_reason"], registry=r)
@@ -56,12 +65,18 @@ class Metrics:
         self.itl = Histogram("tercet_inter_token_latency_seconds", "Time between tokens", buckets=buckets,
                              registry=r)
         self.e2e = Histogram("tercet_e2e_request_latency_seconds", "Request latency", buckets=buckets, registry=r)
-        self.waiting = Gauge("tercet_num_queue_reqs", "Requests waiting in the scheduler", registry=r)
-        self.running = Gauge("tercet_num_running_reqs", "Requests running in the scheduler", registry=r)
-        self.kv_usage = Gauge("tercet_kv_cache_usage", "Fraction of KV pages in use or cached", registry=r)
-        self.restarts = Gauge("tercet_restarts", "Restarts of an actor by its supervisor", ["actor"], registry=r)
-        self.crashes = Gauge("tercet_crashes", "Crashes of an actor, by cause", ["actor", "cause"], registry=r)
-        self.resumed = Gauge("tercet_resumed_requests", "Requests resumed after a restart", registry=r)
+        self.waiting = Gauge("tercet_num_queue_reqs", "Requests waiting in the scheduler", registry=r,
+                             multiprocess_mode="mostrecent")
+        self.running = Gauge("tercet_num_running_reqs", "Requests running in the scheduler", registry=r,
+                             multiprocess_mode="mostrecent")
+        self.kv_usage = Gauge("tercet_kv_cache_usage", "Fraction of KV pages in use or cached", registry=r,
+                              multiprocess_mode="mostrecent")
+        self.restarts = Gauge("tercet_restarts", "Restarts of an actor by its supervisor", ["actor"], registry=r,
+                              multiprocess_mode="max")
+        self.crashes = Gauge("tercet_crashes", "Crashes of an actor, by cause", ["actor", "cause"], registry=r,
+                             multiprocess_mode="max")
+        self.resumed = Gauge("tercet_resumed_requests", "Requests resumed after a restart", registry=r,
+                             multiprocess_mode="sum")
         self.recovery = Histogram("tercet_recovery_seconds", "From a crash to the restarted actor's readiness",
                                   buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
         self._recoveries_seen = 0
@@ -85,6 +100,12 @@ class Metrics:
         for (actor, cause), count in engine.crashes.items():
             self.crashes.labels(actor, cause).set(count)
         self.resumed.set(engine.tokenizer_manager.resumed)
+        if self.multiprocess:  # recoveries: observed by worker 0 as they happen (see ServerState)
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         for seconds in engine.recoveries[self._recoveries_seen :]:
             self.recovery.observe(seconds)
         self._recoveries_seen = len(engine.recoveries)
@@ -140,6 +161,9 @@ class ServerState:
         self.shared = hasattr(engine, "on_gate")
         if self.shared:
             engine.on_gate = self._set_gate
+            engine.on_resumed = self.metrics.resumed.set
+            if engine.worker == 0:  # one worker counts the server's recoveries
+                engine.on_recovery = self.metrics.recovery.observe
 
     def _set_gate(self, closed: bool) -> None:
         if closed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -180,8 +181,10 @@ class _WorkerProcess:
 
 
 def worker_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any,
-                 listen_fd: int, engine: Callable[[], Any]) -> list[ChildSpec]:
-    """The coordinator and the N worker processes, in start order."""
+                 listen_fd: int, engine: Callable[[], Any], metrics_dir: str) -> list[ChildSpec]:
+    """The coordinator and the N worker processes, in start order. The workers keep
+    their Prometheus figures in ``metrics_dir`` (so any of them reports the sum)."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     grace = topology.supervision.shutdown_grace
     control = addresses["control"]
     coordinator_child: list[ActorChild] = []
@@ -205,7 +208,7 @@ def worker_specs(topology: Topology, addresses: dict[str, str], workers: list[st
                     "scheduler": addresses["scheduler"], "detokenizer": addresses["detokenizer"],
                     "control": control, "listen_fd": listen_fd}
             process = ProcessChild("serving.workers:worker_child", args, name=f"worker-{index}",
-                                   kill_after=grace, pass_fds=(listen_fd,))
+                                   kill_after=grace, pass_fds=(listen_fd,), env=env)
             return _WorkerProcess(index, process, coordinator, restart=starts > 1)
 
         return start
@@ -228,6 +231,9 @@ class WorkerRuntime:
         self.worker = worker
         self.control = control
         self.on_gate: Callable[[bool], None] | None = None  # the HTTP state's gate: closed or open
+        self.on_resumed: Callable[[int], None] | None = None  # metrics: requests this worker resumed
+        self.on_recovery: Callable[[float], None] | None = None  # metrics: a recovery, in seconds
+        self._recoveries_seen: int | None = None
         self.tokenizer_manager: TokenizerManager | None = None
         self.failure: BaseException | None = None
         self.failed = trio.Event()
@@ -268,6 +274,12 @@ class WorkerRuntime:
         self.restarts = dict(status.restarts)
         self.crashes = {(actor, cause): count for actor, cause, count in status.crashes}
         self.recoveries = list(status.recoveries)
+        if self._recoveries_seen is None:  # those before this process started: its predecessor's
+            self._recoveries_seen = len(self.recoveries)
+        for seconds in self.recoveries[self._recoveries_seen :]:
+            if self.on_recovery is not None:
+                self.on_recovery(seconds)
+        self._recoveries_seen = len(self.recoveries)
         self._pids = dict(status.pids)
         if self.failure is not None:
             return
@@ -289,6 +301,8 @@ class WorkerRuntime:
         if status.resume and status.scheduler_up:
             tm.watchdog.feed()  # the new scheduler gets a full timeout
             await tm.resubmit_in_flight()
+            if self.on_resumed is not None:
+                self.on_resumed(tm.resumed)
 
 
 class HttpWorker:

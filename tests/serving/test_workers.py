@@ -45,6 +45,14 @@ async def pinned_clients(stack, url, per_worker=1, workers=2):
     raise AssertionError(f"could not reach every worker: {({w: len(c) for w, c in pinned.items()})}")
 
 
+async def metric(client, sample):
+    """The value of one Prometheus sample (its name and labels, as printed) in /metrics."""
+    text = (await client.get("/metrics")).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")]
+    assert len(values) == 1, (sample, text)
+    return values[0]
+
+
 def parse_sse(text):
     """(text, ids, finish_reason) of a /generate stream that ended with [DONE]."""
     assert text.endswith("data: [DONE]\n\n"), text[-300:]
@@ -108,6 +116,10 @@ async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, m
         assert all(len(ids) == 12 and finish == {"type": "length", "matched": 12}
                    for _, ids, finish in results.values())
         assert all(text == engine.tokenizer.decode(ids) for text, ids, _ in results.values())
+        # either worker reports the whole server's figures
+        for worker in (0, 1):
+            assert await metric(clients[worker], 'tercet_requests_total{finish_reason="length"}') == 12
+            assert await metric(clients[worker], "tercet_generation_tokens_total") == 12 * 12
 
         # /abort_request that lands on the other worker still aborts the request
         body = {"input_ids": [9, 10], "rid": "far-away", "stream": True,
@@ -227,6 +239,9 @@ async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, ba
             os.kill(info["pids"]["scheduler"], signal.SIGKILL)
             await engine.started("scheduler", 2)
         info = (await probe.get("/server_info")).json()
+        assert await metric(probe, 'tercet_restarts{actor="scheduler"}') == 1
+        assert await metric(probe, "tercet_recovery_seconds_count") == 1
+        assert await metric(probe, "tercet_resumed_requests") == len(bodies)
     assert texts == expected
     assert info["restarts"]["scheduler"] == 1
     assert_drained(info)
