@@ -16,10 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import build_batch
+from .errors import ModelLoadError
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
 from .layers import CausalLM
-from .loading import LoadedModel
+from .loading import LoadedModel, load_model
 from .sampling import GREEDY, SamplingParams, sample
+
+
+DEFAULT_CONTEXT_LEN = 8192  # for a config that names no position limit
+# what must match for new weights to fit the running model and its KV pool
+SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size")
 
 
 @dataclass
@@ -77,6 +84,21 @@ class ModelRunner:
         self.use_triton = (
             self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         )
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence served: the model's position limit, bounded by the KV pool."""
+        return min(self.max_context_len or DEFAULT_CONTEXT_LEN, self.kv.num_pages * self.kv.page_size)
+
+    def reload_weights(self, path: str) -> None:
+        """Replace the weights with those at `path`, of the same architecture and shapes
+        (the KV pool stays as it is); `ModelLoadError` leaves the old weights in place."""
+        loaded = load_model(path)
+        for name in SHAPE_FIELDS:
+            old, new = getattr(self.config, name, None), getattr(loaded.config, name, None)
+            if old != new:
+                raise ModelLoadError(f"{path}: {name} is {new}, the running model has {old}")
+        self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqInput]) -> StepOutput:
