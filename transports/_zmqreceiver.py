@@ -149,7 +149,8 @@ class ZmqReceiver(Receiver[Any]):
                 peer = sock.recv(_NOBLOCK)
             except zmq.Again:
                 try:
-                    # FACTS items 1-2: tried first, and EVENTS re-read before the wait
+                    # recv was tried first (a wait with messages queued would hang), and
+                    # EVENTS is re-read before the wait (reading it consumes the edge)
                     await wait_to_retry(sock, self._fd, zmq.POLLIN)
                 except trio.ClosedResourceError:  # the owner closed the socket
                     break
@@ -249,7 +250,7 @@ class ZmqReceiver(Receiver[Any]):
             blocked = False
             while taken < DRAIN_BATCH:
                 try:
-                    peer = sock.recv(_NOBLOCK)  # FACTS item 1: try before waiting
+                    peer = sock.recv(_NOBLOCK)  # try before waiting: the FD edge may be spent
                 except zmq.Again:
                     break
                 taken += 1
@@ -273,7 +274,8 @@ class ZmqReceiver(Receiver[Any]):
             if taken >= DRAIN_BATCH:
                 # Let the receiving task handle what was taken before we look
                 # again (and let others run). Shielded: a message just taken is
-                # never lost to a cancel here (FACTS item 6).
+                # never lost to a cancel here (a cancellable checkpoint after a
+                # successful recv could drop it).
                 await trio.lowlevel.cancel_shielded_checkpoint()
             elif taken and fed_a_waiter:
                 # The socket is drained and a task in receive got a message

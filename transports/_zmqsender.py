@@ -12,8 +12,10 @@ Orderly close: ``aclose`` lets the owner flush the queue, send an
 end-of-stream message (one empty frame) and wait for the receiver's
 acknowledgement, which the receiver sends once it holds everything sent
 before. Only then is the socket closed: nothing is left in flight for
-libzmq to drop (FACTS.md item 7). Like a send, the close waits for a
-receiver that is not bound (yet, or any more); to give up, cancel it
+libzmq to drop (over ipc://, libzmq silently drops messages still in
+flight when the sender closes while the receiver's queue is full). Like a
+send, the close waits for a receiver that is not bound (yet, or any more);
+to give up, cancel it
 (``trio.move_on_after``): the socket is then closed at once and what was
 not acknowledged is abandoned.
 """

@@ -1,4 +1,4 @@
-"""One ZeroMQ socket driven from trio, pitfalls included (FACTS.md, "trio + ZeroMQ").
+"""One ZeroMQ socket driven from trio, with the pitfalls of doing so handled.
 
 pyzmq has no trio support, so the socket's ``FD`` is waited on directly. That
 FD is edge-triggered: it says "the socket's state may have changed", and
