@@ -15,6 +15,7 @@ import torch
 
 from .attention import AttentionPlan, PrefillChunk, decode_gather_plan
 from .errors import InvalidBatch
+from .kv_cache import pages_for
 
 
 class _Seq(Protocol):
@@ -29,10 +30,6 @@ class Batch:
     positions: torch.Tensor  # [T]
     plan: AttentionPlan
     last_rows: list[int]  # per sequence (in batch order), its last row
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def build_batch(seqs: Sequence[_Seq], page_size: int, device, use_triton: bool) -> Batch:

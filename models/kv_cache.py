@@ -17,6 +17,11 @@ from .errors import OutOfPages
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """How many pages of `page_size` tokens hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
 class KVCache:
     def __init__(
         self,
@@ -50,12 +55,9 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def pages_for(self, num_tokens: int) -> int:
         """How many pages hold `num_tokens` tokens."""
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, or `OutOfPages` with the pool left unchanged."""

@@ -70,7 +70,6 @@ class ModelRunner:
         self.device = torch.device(device)
         dtype = dtype if dtype is not None else default_dtype(self.device)
         self.dtype = dtype
-        self.tokenizer = model.tokenizer
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
         self.max_context_len = getattr(model.config, "max_position_embeddings", None)

@@ -64,9 +64,9 @@ class Hub:
 
 
 @asynccontextmanager
-async def open_hub(hub_type: type[Hub] = Hub, *, curve: Any = None) -> AsyncIterator[Hub]:
+async def open_hub(*, curve: Any = None) -> AsyncIterator[Hub]:
     async with trio.open_nursery() as nursery:
-        hub = hub_type(nursery) if curve is None else hub_type(nursery, curve=curve)
+        hub = Hub(nursery, curve=curve)
         try:
             yield hub
         finally:
