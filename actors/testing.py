@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from transports import Address, Frames, Hub, Sender, open_hub
+from transports import Address, Frames, Hub, Sender
 
 from .actor import Actor, ActorChild, Caller, Reply
 from .supervisor import ChildSpec, Restart, Supervisor, SupervisorEvent
@@ -279,10 +279,17 @@ async def _run_expecting(supervisor: Supervisor, harness: Harness, task_status: 
 
 @asynccontextmanager
 async def open_harness() -> AsyncIterator[Harness]:
-    async with open_hub(_FaultyHub) as hub, trio.open_nursery() as nursery:
-        assert isinstance(hub, _FaultyHub)
-        harness = Harness(hub, nursery)
+    # open_hub builds a plain Hub; this one is built the same way, with link faults
+    async with trio.open_nursery() as hub_nursery:
+        hub = _FaultyHub(hub_nursery)
         try:
-            yield harness
+            async with trio.open_nursery() as nursery:
+                harness = Harness(hub, nursery)
+                try:
+                    yield harness
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
-            nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await hub.aclose()
+            hub_nursery.cancel_scope.cancel()
