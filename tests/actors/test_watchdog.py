@@ -47,15 +47,19 @@ async def test_soft_watchdog_fires_only_with_work_in_flight(autojump_clock):
 
 
 async def test_soft_watchdog_is_quiet_while_disabled(autojump_clock):
-    dog = SoftWatchdog("idle", 5.0)
+    fired_at = []
+    dog = SoftWatchdog("idle", 5.0, on_fire=lambda report: fired_at.append(trio.current_time()))
     async with trio.open_nursery() as nursery:
         await nursery.start(dog.run)
         dog.feed()
         with dog.disable():
             await trio.sleep(100.0)
-        await trio.sleep(4.0)  # the clock restarted when the block ended
+        ended = trio.current_time()
+        await trio.sleep(4.9)  # the clock restarted when the block ended
+        assert fired_at == []
+        await trio.sleep(0.2)  # ...and it is armed again: it fires 5 s after the block
+        assert fired_at == [pytest.approx(ended + 5.0)]
         nursery.cancel_scope.cancel()
-    assert dog.fired == 0
 
 
 async def test_soft_watchdog_raises_with_the_fed_tasks_stack(autojump_clock):
@@ -65,22 +69,31 @@ async def test_soft_watchdog_raises_with_the_fed_tasks_stack(autojump_clock):
         dog.feed()
         await trio.sleep_forever()
 
+    started = trio.current_time()
     with pytest.RaisesGroup(pytest.RaisesExc(WatchdogTimeout, check=lambda e: "waiting_for_the_scheduler" in e.stack)):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(dog.run)
-            nursery.start_soon(waiting_for_the_scheduler)
+        with trio.fail_after(60.0):  # MockClock: a watchdog that never fires fails here, not at the suite timeout
+            async with trio.open_nursery() as nursery:
+                await nursery.start(dog.run)
+                nursery.start_soon(waiting_for_the_scheduler)
+    assert trio.current_time() - started == pytest.approx(5.0)
 
 
 async def test_step_watchdog_is_quiet_between_steps(autojump_clock):
     dog = StepWatchdog("step", 5.0)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(dog.run)
-        for _ in range(20):
-            with dog.step():
-                await trio.sleep(4.0)
-            await trio.sleep(50.0)
-        nursery.cancel_scope.cancel()
-    assert dog.fired == 0
+    with pytest.RaisesGroup(pytest.RaisesExc(WatchdogTimeout, match="a step ran")):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(dog.run)
+            for _ in range(20):
+                with dog.step():
+                    await trio.sleep(4.0)
+                await trio.sleep(50.0)
+            assert dog.fired == 0
+            started = trio.current_time()
+            with dog.step():  # still armed: a step that overruns is reported
+                await trio.sleep(6.0)
+            nursery.cancel_scope.cancel()  # not reached when the watchdog fires
+    assert dog.fired == 1
+    assert trio.current_time() - started == pytest.approx(5.0)
 
 
 def test_a_watchdog_needs_a_positive_timeout():
