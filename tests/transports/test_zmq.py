@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from typing import Union
 
 import msgspec
@@ -11,8 +12,10 @@ import trio
 import trio.testing
 import zmq
 import zmq.auth
+from zmq.utils.monitor import parse_monitor_message
 
 from transports import Address, AddressError, Decoder, Encoder, open_hub
+from transports._zmqsocket import close_socket, wait_to_retry
 from transports.zmq import CurveConfig, ZmqTransport
 
 from .conftest import Note, free_tcp_port
@@ -192,19 +195,51 @@ def curve_keys(tmp_path):
     return keys, authorized
 
 
-async def _delivered(transport, receiver, address, curve) -> bool:
-    sender = await transport.connect(address, capacity=8, curve=curve)
-    await sender.send(Note(0, 1))
-    with trio.move_on_after(0.5):
-        await receiver.receive()
-        await sender.aclose()
-        return True
-    with trio.move_on_after(0):
-        await sender.aclose()  # never acknowledged: a cancelled close abandons it
-    return False
+HANDSHAKE_OUTCOMES = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+ADMITTED = (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)
 
 
-async def test_curve_admits_only_authorized_senders(curve_keys):
+@asynccontextmanager
+async def handshakes_of(receiver):
+    """``next_outcome()``: (event, value) of the receiver's next CURVE handshake, from its monitor.
+
+    The monitor is attached to the receiver's ROUTER (no public handle: the
+    private ``_sock``) before any sender connects, so no outcome is missed.
+    """
+    sock = receiver._sock
+    monitor = sock.get_monitor_socket(HANDSHAKE_OUTCOMES)
+    fd = monitor.getsockopt(zmq.FD)
+
+    async def next_outcome() -> tuple[int, int]:
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                await wait_to_retry(monitor, fd, zmq.POLLIN)
+                continue
+            return event["event"], event["value"]
+
+    try:
+        yield next_outcome
+    finally:
+        sock.disable_monitor()
+        close_socket(monitor, fd)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "refusal"),
+    [
+        # a valid handshake whose key the ZAP handler does not know: ZAP status 400
+        ("intruder", (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)),
+        # encrypted for another server key: the receiver cannot open its HELLO
+        ("wrong-server-key", (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC)),
+        # no CURVE at all (NULL mechanism)
+        ("no-curve", (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)),
+    ],
+    ids=["intruder", "wrong-server-key", "no-curve"],
+)
+async def test_curve_admits_only_authorized_senders(curve_keys, candidate, refusal):
     keys, authorized = curve_keys
     server = CurveConfig(secret_file=keys["server"][1], authorized_dir=authorized)
 
@@ -212,16 +247,30 @@ async def test_curve_admits_only_authorized_senders(curve_keys):
         return CurveConfig(secret_file=keys[name][1],
                            server_public_file=server_public or keys["server"][0])
 
+    candidates = {
+        "intruder": client("intruder"),
+        "wrong-server-key": client("client", server_public=keys["intruder"][0]),
+        "no-curve": None,
+    }
     async with trio.open_nursery() as nursery:
         transport = ZmqTransport(nursery, "tcp")
         receiver = await transport.bind(Address.parse("tcp://127.0.0.1:0"), Decoder(Note),
                                         capacity=8, senders=None, curve=server)
-        address = receiver.address
-        assert await _delivered(transport, receiver, address, client("client"))
-        assert not await _delivered(transport, receiver, address, client("intruder"))
-        wrong_server = client("client", server_public=keys["intruder"][0])
-        assert not await _delivered(transport, receiver, address, wrong_server)
-        assert not await _delivered(transport, receiver, address, None)  # no CURVE at all
+        async with handshakes_of(receiver) as next_outcome:
+            with trio.fail_after(10):  # a bound that fails; every wait below is on an event
+                refused = await transport.connect(receiver.address, capacity=8, curve=candidates[candidate])
+                await refused.send(Note(1, 1))
+                assert await next_outcome() == refusal  # the receiver refused it
+
+                admitted = await transport.connect(receiver.address, capacity=8, curve=client("client"))
+                await admitted.send(Note(0, 2))
+                while (outcome := await next_outcome()) != ADMITTED:
+                    assert outcome == refusal  # the refused sender retrying, refused again
+                # delivered, and the refused sender's earlier note was not
+                assert await receiver.receive() == Note(0, 2)
+                await admitted.aclose()
+            with trio.move_on_after(0):
+                await refused.aclose()  # never acknowledged: a cancelled close abandons it
         await transport.aclose()
 
 
