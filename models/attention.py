@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .split_attention import SplitPlan, split_kv_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -35,6 +37,8 @@ class AttentionPlan:
     prefills: list[PrefillChunk]
     use_triton: bool
     compute_dtype: torch.dtype | None = None  # torch path: attend in this dtype (fp32 where bf16 is slow)
+    split: SplitPlan | None = None  # the deterministic mode: split-KV attention for every row
+    row_tile: int | None = None  # the deterministic mode: rows per GEMM call (layers.py)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k, v, slots) -> None:
@@ -98,6 +102,8 @@ def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
         triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
     else:
         store_kv(k_cache, v_cache, k, v, plan.slots)
+    if plan.split is not None:
+        return _attend_split(q, k_cache, v_cache, plan, scale)
     out = torch.empty_like(q)
     n = plan.num_decode
     if n:
@@ -114,4 +120,20 @@ def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
         out[part] = prefill_attention(
             q[part], k[part], v[part], k_cache, v_cache, chunk, scale, plan.compute_dtype
         )
+    return out
+
+
+def _attend_split(q, k_cache, v_cache, plan: AttentionPlan, scale):
+    """The deterministic mode: decode rows and prefill rows through the same split-KV code."""
+    split = plan.split
+    if plan.use_triton:
+        from . import triton_attention
+
+        return triton_attention.split_kv_attention(
+            q, k_cache, v_cache, split.row_table, split.row_pos, plan.page_size, scale, split.split
+        )
+    out = torch.empty_like(q)
+    for group in split.groups:
+        part = slice(group.start, group.end)
+        out[part] = split_kv_attention(q[part], k_cache, v_cache, group, scale)
     return out

@@ -2,7 +2,9 @@
 
 Rows are [decode tokens..., prefill chunks...]; `build_batch` returns the
 token ids, their positions, the `AttentionPlan` shared by every layer and,
-per sequence, the row whose hidden state predicts its next token.
+per sequence, the row whose hidden state predicts its next token. With
+`split` (the deterministic mode) the plan also lays every row out for the
+split-KV attention of `split_attention.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .attention import AttentionPlan, PrefillChunk, decode_gather_plan
 from .errors import InvalidBatch
 from .kv_cache import pages_for
+from .split_attention import SplitPlan, split_group
 
 
 class _Seq(Protocol):
@@ -32,8 +35,14 @@ class Batch:
     last_rows: list[int]  # per sequence (in batch order), its last row
 
 
-def build_batch(seqs: Sequence[_Seq], page_size: int, device, use_triton: bool) -> Batch:
-    """`seqs` must list single-token (decode) sequences first."""
+def build_batch(
+    seqs: Sequence[_Seq], page_size: int, device, use_triton: bool,
+    split: int | None = None, row_tile: int | None = None,
+) -> Batch:
+    """`seqs` must list single-token (decode) sequences first.
+
+    `split` and `row_tile` turn on the deterministic mode (see runner.py).
+    """
     for s in seqs:
         _check(s, page_size)
     num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
@@ -50,12 +59,15 @@ def build_batch(seqs: Sequence[_Seq], page_size: int, device, use_triton: bool) 
         positions.extend(range(s.num_cached, s.num_cached + len(s.token_ids)))
         row = chunk.end
     table, context_lens = table.to(device), context_lens.to(device)
-    gather = decode_gather_plan(table, context_lens, page_size) if decode and not use_triton else None
+    fast = split is None and not use_triton
+    gather = decode_gather_plan(table, context_lens, page_size) if decode and fast else None
     plan = AttentionPlan(
         slots=torch.cat(slot_parts).to(device), num_decode=num_decode, page_table=table,
         context_lens=context_lens, page_size=page_size, decode_gather=gather,
-        prefills=chunks, use_triton=use_triton,
+        prefills=chunks, use_triton=use_triton, row_tile=row_tile,
     )
+    if split is not None:
+        plan.split = _split_plan(decode, prefill, chunks, positions, page_size, split, device, use_triton)
     last_rows = list(range(num_decode)) + [c.end - 1 for c in chunks]
     return Batch(
         torch.tensor(ids, dtype=torch.long, device=device),
@@ -100,3 +112,24 @@ def _prefill_chunk(s: _Seq, row: int, page_size: int, device):
     mask = context[None, :] <= (cached + torch.arange(n))[:, None]  # causal, offset by the prefix
     chunk = PrefillChunk(row, row + n, context_slots.to(device), mask[None, None].to(device))
     return chunk, context_slots[cached:]
+
+
+def _split_plan(decode, prefill, chunks, positions, page_size, split, device, use_triton) -> SplitPlan:
+    """One group for all decode rows, one per prefill chunk; or, for triton, per-row tables."""
+    if use_triton:
+        owners = [*decode, *(s for s in prefill for _ in s.token_ids)]
+        widths = [pages_for(s.num_cached + len(s.token_ids), page_size) for s in owners]
+        widest = max(widths)
+        table = [[*s.page_table[:w], *([0] * (widest - w))] for s, w in zip(owners, widths)]
+        return SplitPlan(
+            split, [], torch.tensor(table, dtype=torch.int32, device=device),
+            torch.tensor(positions, dtype=torch.int32, device=device),
+        )
+    groups = []
+    if decode:
+        groups.append(split_group(0, [s.page_table for s in decode], [s.num_cached for s in decode],
+                                  1, page_size, split, device))
+    for s, chunk in zip(prefill, chunks):
+        groups.append(split_group(chunk.start, [s.page_table], [s.num_cached], len(s.token_ids),
+                                  page_size, split, device))
+    return SplitPlan(split, groups)

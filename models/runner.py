@@ -5,6 +5,24 @@ paged KV cache (`runner.kv`: allocate / free / num_free) and the batch
 layout. A step is a list of `SeqInput`s, any mix of prefill chunks
 (possibly after a cached prefix) and decode tokens, flattened without
 padding into one forward pass.
+
+`deterministic=True` makes the logits of every token depend only on its
+own sequence (tokens and position): not on the rest of the batch, whether
+its prefix came from the cache, how its prompt was chunked, or whether it
+was decoded or re-prefilled. So greedy output and logprobs are bitwise
+reproducible, also across a crash-resume. It costs speed (see
+benchmarks/bench_model.py --deterministic). What it changes:
+
+- every GEMM runs in fixed tiles of `row_tile` rows (`invariant.py`);
+- attention is split-KV over absolute positions, the same code for decode
+  and prefill rows, reading K/V back from the cache (`split_attention.py`);
+- silu is composed of position-independent ops; the logprobs' normaliser
+  is a per-row log_softmax (`sampling.py`).
+
+It holds within one machine, library build and `torch.get_num_threads()`
+(the GEMM kernels split work by thread count), and on CPU only: on CUDA
+the triton split-KV kernel is invariant by construction but the GEMMs
+and norms there were never measured, so the runner refuses.
 """
 
 from __future__ import annotations
@@ -15,12 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import invariant
 from .batch import build_batch
 from .errors import ModelLoadError
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
 from .layers import CausalLM
 from .loading import LoadedModel, load_model
 from .sampling import GREEDY, SamplingParams, sample
+from .split_attention import DEFAULT_SPLIT
 
 
 DEFAULT_CONTEXT_LEN = 8192  # for a config that names no position limit
@@ -66,10 +86,19 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         page_size: int = 1,
         kv_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        deterministic: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        if deterministic and self.device.type != "cpu":
+            raise ValueError(
+                f"deterministic mode is measured on CPU only, not on {self.device.type} "
+                "(see models/runner.py)"
+            )
         dtype = dtype if dtype is not None else default_dtype(self.device)
         self.dtype = dtype
+        self.deterministic = deterministic
+        self.row_tile = invariant.row_tile(dtype) if deterministic else None
+        self.split = DEFAULT_SPLIT if deterministic else None
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
         self.max_context_len = getattr(model.config, "max_position_embeddings", None)
@@ -103,22 +132,19 @@ class ModelRunner:
     def step(self, seqs: Sequence[SeqInput]) -> StepOutput:
         if not seqs:
             return StepOutput()
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
-        batch = build_batch([seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton)
-        if self.model.upcast:
-            batch.plan.compute_dtype = torch.float32
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
+        order, batch, hidden = self._forward(seqs)
         wanted = [j for j, i in enumerate(order) if seqs[i].sample]
         out = StepOutput([None] * len(seqs), [None] * len(seqs), [None] * len(seqs))
         if not wanted:
             return out
         picked = [seqs[order[j]] for j in wanted]
         rows = torch.tensor([batch.last_rows[j] for j in wanted], device=self.device)
-        logits = self.model.logits(hidden[rows])
+        logits = self.model.logits(hidden[rows], self.row_tile)
         drawn = sample(
             logits, [s.params for s in picked],
             [s.num_cached + len(s.token_ids) for s in picked],
             [s.prompt_ids for s in picked], [s.output_ids for s in picked],
+            deterministic=self.deterministic,
         )
         for k, j in enumerate(wanted):
             i = order[j]
@@ -126,6 +152,30 @@ class ModelRunner:
             out.logprobs[i] = drawn.logprobs[k]
             out.top_logprobs[i] = drawn.top_logprobs[k]
         return out
+
+    @torch.inference_mode()
+    def logits(self, seqs: Sequence[SeqInput], which: Sequence[int]) -> list[torch.Tensor]:
+        """A step without sampling (K/V stored as by `step`): for each i in `which`, the
+        fp32 logits [len(token_ids), vocab] after each of seqs[i]'s new tokens."""
+        order, batch, hidden = self._forward(seqs)
+        where = {i: j for j, i in enumerate(order)}
+        out = []
+        for i in which:
+            last = batch.last_rows[where[i]] + 1
+            out.append(self.model.logits(hidden[last - len(seqs[i].token_ids) : last], self.row_tile))
+        return out
+
+    def _forward(self, seqs: Sequence[SeqInput]):
+        """Decode rows first: (the permutation applied, the batch, final hidden states)."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+        batch = build_batch(
+            [seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton,
+            self.split, self.row_tile,
+        )
+        if self.model.upcast:
+            batch.plan.compute_dtype = torch.float32
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
+        return order, batch, hidden
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -79,15 +79,23 @@ def sample(
     positions: Sequence[int],
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
+    deterministic: bool = False,
 ) -> Sampled:
     """Draw one token per row of `logits` [B, vocab] (float32).
 
     `positions[i]` is the position of the token being drawn (= tokens
-    before it), which with the row's seed fixes its randomness.
+    before it), which with the row's seed fixes its randomness. With
+    `deterministic`, a row's logprobs do not depend on the other rows:
+    `logsumexp` over a vocab-sized row is split across threads when it is
+    the only row and not when there are several (different sums, measured
+    ~2e-6 apart); `log_softmax` reduces each row on one thread.
     """
     logits = logits.float()
-    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # logprobs: the model's own distribution
-    raw = logits
+    raw = logits  # logprobs: the model's own distribution
+    if deterministic:
+        table, log_total = torch.log_softmax(raw, dim=-1), None
+    else:
+        table, log_total = raw, torch.logsumexp(raw, dim=-1, keepdim=True)
     if any(p.has_penalties for p in params):
         logits = _apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     chosen = logits.argmax(dim=-1)
@@ -95,15 +103,21 @@ def sample(
     if rows:
         index = torch.tensor(rows, device=logits.device)
         chosen[index] = _draw(logits[index], [params[i] for i in rows], [positions[i] for i in rows])
-    chosen_logprobs = (raw.gather(1, chosen[:, None]) - log_total)[:, 0]
+    chosen_logprobs = _logprobs_at(table, log_total, chosen[:, None])[:, 0]
     n_top = max(p.top_logprobs for p in params)
     top = [[] for _ in params]
     if n_top:
-        values, ids = raw.topk(n_top, dim=-1)
-        values = values - log_total
+        ids = raw.topk(n_top, dim=-1).indices
+        values = _logprobs_at(table, log_total, ids)
         for i, p in enumerate(params):
             top[i] = list(zip(ids[i, : p.top_logprobs].tolist(), values[i, : p.top_logprobs].tolist()))
     return Sampled(chosen.tolist(), chosen_logprobs.tolist(), top)
+
+
+def _logprobs_at(table, log_total, ids):
+    """Logprobs of token `ids` [B, k]: from log_softmax (`log_total` None) or logits - logsumexp."""
+    picked = table.gather(1, ids)
+    return picked if log_total is None else picked - log_total
 
 
 def _apply_penalties(logits, params, prompt_ids, output_ids):

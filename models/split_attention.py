@@ -1,0 +1,123 @@
+"""Batch-invariant attention: split-KV over absolute positions (the torch path).
+
+A query at position p attends keys 0..p in splits of `split` keys at fixed
+absolute positions [j*split, (j+1)*split). Every split has the same shape
+(keys past p are masked, never dropped), and the splits are combined in the
+order j = 0, 1, 2, ... So what a query gets depends only on its own
+sequence's K/V and position, not on whether it is a decode row or a row of
+a prefill chunk, how long that chunk is, what else is in the step, or
+whether its prefix was computed now or taken from the cache (K/V are
+always read back from the cache, after the step's own are stored).
+
+Why each piece is invariant on CPU (measured with torch 2.13, see the
+tests): the two products are batched GEMMs whose M and K dimensions are
+fixed (split x head_dim, head_dim x split) and whose N is the number of
+query columns; MKL's results per column do not depend on N as long as the
+call is not a 1-column matrix-vector product (so a lone column is padded
+to two). Softmax statistics reduce over one contiguous split row; `exp` on
+contiguous tensors is vectorised without a scalar tail; max is exact.
+Trailing fully masked splits contribute exactly zero.
+
+A `SplitGroup` is a set of sequences with the same number of new tokens:
+all decode rows form one group, each prefill chunk another. The group's
+plan is built once per step (`split_groups`) and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import pages_for
+
+DEFAULT_SPLIT = 64  # keys per split; the triton kernel's BLOCK_N
+
+
+@dataclass
+class SplitGroup:
+    """Sequences with `num_queries` new tokens each, their rows consecutive in the step."""
+
+    start: int  # first row of the group in the flattened step
+    num_seqs: int  # B
+    num_queries: int  # n new tokens per sequence (1 for decode rows)
+    kv_rows: torch.Tensor  # [B, J * split] cache row of each key position (masked ones: row 0)
+    valid: torch.Tensor  # [B, J, n, split] bool: key position <= query position
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_seqs * self.num_queries
+
+
+@dataclass
+class SplitPlan:
+    """A step's split-KV layout, shared by every layer."""
+
+    split: int  # keys per split
+    groups: list[SplitGroup]  # the torch path
+    row_table: torch.Tensor | None = None  # the triton path: [T, pages] int32, each row's page table
+    row_pos: torch.Tensor | None = None  # [T] int32, each row's absolute position
+
+
+def split_group(start: int, tables: Sequence[Sequence[int]], num_cached: Sequence[int],
+                num_queries: int, page_size: int, split: int, device) -> SplitGroup:
+    """The plan of sequences whose `num_queries` new tokens follow `num_cached[i]` cached ones."""
+    lengths = torch.tensor([c + num_queries for c in num_cached])
+    num_splits = -(-int(lengths.max()) // split)
+    key_pos = torch.arange(num_splits * split)
+    tables = [t[: pages_for(c + num_queries, page_size)] for t, c in zip(tables, num_cached)]
+    widest = max(len(t) for t in tables)
+    table = torch.tensor([[*t, *([0] * (widest - len(t)))] for t in tables], dtype=torch.long)
+    page_index = (key_pos // page_size).clamp(max=widest - 1).expand(len(tables), -1)
+    rows = table.gather(1, page_index) * page_size + key_pos % page_size
+    rows = rows.masked_fill(key_pos[None, :] >= lengths[:, None], 0)
+    query_pos = torch.tensor(num_cached)[:, None] + torch.arange(num_queries)  # [B, n]
+    valid = key_pos.view(num_splits, 1, split)[None] <= query_pos[:, None, :, None]
+    return SplitGroup(start, len(tables), num_queries, rows.to(device), valid.to(device))
+
+
+def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float) -> torch.Tensor:
+    """q [B * n, heads, d] (sequence-major) of one group -> [B * n, heads, d], in fp32 inside."""
+    batch, n = group.num_seqs, group.num_queries
+    num_splits, split = group.valid.shape[1], group.valid.shape[-1]
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    g = heads // kv_heads
+    cols = n * g
+    # query columns (query, head in group) per kv head: [B, kv_heads, d, n * g]
+    qt = (q.float() * scale).view(batch, n, kv_heads, g, d).permute(0, 2, 4, 1, 3).reshape(batch, kv_heads, d, cols)
+    pad = cols == 1  # a one-column product would be a matrix-vector kernel with other rounding
+    if pad:
+        qt = torch.cat([qt, qt], dim=-1)
+    width = qt.shape[-1]
+    items = batch * num_splits * kv_heads
+    qt = qt[:, None].expand(batch, num_splits, kv_heads, d, width).reshape(items, d, width)
+    flat = group.kv_rows.reshape(-1)
+    shape = (batch, num_splits, split, kv_heads, d)
+    keys = k_cache.index_select(0, flat).view(shape).permute(0, 1, 3, 2, 4).reshape(items, split, d).float()
+    values_t = v_cache.index_select(0, flat).view(shape).permute(0, 1, 3, 4, 2).reshape(items, d, split).float()
+
+    scores = torch.bmm(keys, qt).view(batch, num_splits, kv_heads, split, width).transpose(-1, -2).contiguous()
+    valid = group.valid[:, :, None, :, None, :].expand(batch, num_splits, kv_heads, n, g, split)
+    valid = valid.reshape(batch, num_splits, kv_heads, cols, split)
+    if pad:
+        valid = torch.cat([valid, valid], dim=-2)
+    scores.masked_fill_(~valid, float("-inf"))
+    split_max = scores.amax(dim=-1, keepdim=True)  # -inf where a split is wholly masked
+    weights = (scores - split_max.masked_fill(split_max == float("-inf"), 0.0)).exp_()
+    split_sum = weights.sum(dim=-1)  # [B, J, kv_heads, width]
+    split_out = torch.bmm(values_t, weights.view(items, width, split).transpose(1, 2))
+    split_out = split_out.view(batch, num_splits, kv_heads, d, width)
+
+    split_max = split_max[..., 0]
+    best = split_max.amax(dim=1)  # split 0 always holds key 0: finite
+    total = torch.zeros_like(best)
+    acc = torch.zeros(batch, kv_heads, d, width, dtype=torch.float32, device=q.device)
+    for j in range(num_splits):  # fixed order; masked splits add exact zeros
+        w = (split_max[:, j] - best).exp()
+        total = total + w * split_sum[:, j]
+        acc = acc + w[:, :, None, :] * split_out[:, j]
+    out = (acc / total[:, :, None, :])[..., :cols]
+    out = out.view(batch, kv_heads, d, n, g).permute(0, 3, 1, 4, 2).reshape(batch * n, heads, d)
+    return out.to(q.dtype)
