@@ -122,25 +122,34 @@ async def test_bad_addresses_are_address_errors():
 
 async def test_close_waits_until_a_full_receiver_has_taken_everything(tmp_path):
     address = f"ipc://{tmp_path}/full.sock"
-    count = 3000
+    count, capacity = 3000, 4
     async with open_hub() as hub:
-        receiver = await hub.bind(address, Note, capacity=4, senders=1)
-        sender = await hub.connect(address, capacity=4)
-        closed = trio.Event()
+        receiver = await hub.bind(address, Note, capacity=capacity, senders=1)
+        sender = await hub.connect(address, capacity=count)  # every send returns at once: the close is what waits
+        all_sent, closed = trio.Event(), trio.Event()
 
         async def send_all_then_close():
             for seq in range(count):
                 await sender.send(Note(0, seq, b"x" * 200))
+            all_sent.set()
             await sender.aclose()
             closed.set()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all_then_close)
-            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-            assert not closed.is_set()  # the receiver is full: close must wait
-            got = [note.seq async for note in receiver]
+        got: list[int] = []
+        unread_when_closed = None
+        with trio.fail_after(10):  # a bound that fails; the waits are on events
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all_then_close)
+                await trio.testing.wait_all_tasks_blocked()  # nobody reads: the close waits
+                assert all_sent.is_set() and not closed.is_set()
+                async for note in receiver:
+                    if closed.is_set() and unread_when_closed is None:
+                        unread_when_closed = count - len(got)
+                    got.append(note.seq)
         assert closed.is_set()
         assert got == list(range(count))
+        # acknowledged once the receiving process held everything: at most a channel's worth unread
+        assert unread_when_closed is None or unread_when_closed <= capacity
         await receiver.aclose()
 
 
@@ -148,9 +157,15 @@ async def test_cancelled_close_without_a_receiver_abandons_promptly(wire_address
     async with open_hub() as hub:
         sender = await hub.connect(wire_address)
         await sender.send(Note(0, 1))
-        with trio.move_on_after(0.2) as scope:
-            await sender.aclose()  # nobody will ever acknowledge
-        assert scope.cancelled_caught
+        with trio.fail_after(10):  # a bound that fails; the waits are on events
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender.aclose)
+                await trio.testing.wait_all_tasks_blocked()  # waiting for an acknowledgement nobody sends
+                assert not sender.finished.is_set()
+                nursery.cancel_scope.cancel()
+        # abandoned at once, with no word from the wire: the owner has closed the socket
+        await trio.testing.wait_all_tasks_blocked()
+        assert sender.finished.is_set()
         with pytest.raises(trio.ClosedResourceError):
             await sender.send(Note(0, 2))
 
@@ -169,17 +184,36 @@ async def test_closing_the_hub_ends_open_channels(wire_address):
 
 async def test_a_sender_blocked_on_a_full_receiver_can_be_cancelled(tmp_path):
     address = f"ipc://{tmp_path}/cancel.sock"
+    limit = 50_000  # far more than the channels and the wire hold
     async with open_hub() as hub:
         receiver = await hub.bind(address, Note, capacity=1)
         sender = await hub.connect(address, capacity=1)
         sent = 0
-        with trio.move_on_after(0.5):
-            while True:
-                await sender.send(Note(0, sent))
+        cancelled_in_send = False
+
+        async def produce():
+            nonlocal sent, cancelled_in_send
+            while sent < limit:
+                try:
+                    await sender.send(Note(0, sent))
+                except trio.Cancelled:
+                    cancelled_in_send = True
+                    raise
                 sent += 1
-        for seq in range(sent):  # every send that returned is delivered, in order
-            assert (await receiver.receive()).seq == seq
-        await sender.aclose()
+
+        with trio.fail_after(10):  # a bound that fails; the waits are on events
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce)
+                await trio.testing.wait_all_tasks_blocked()  # nobody reads: the producer is stuck in a send
+                assert sent < limit
+                nursery.cancel_scope.cancel()
+            assert cancelled_in_send
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender.send, Note(1, 0))  # the sender still works
+                for seq in range(sent):  # every send that returned is delivered, in order
+                    assert (await receiver.receive()).seq == seq
+                assert await receiver.receive() == Note(1, 0)  # ...and the cancelled one is not
+            await sender.aclose()
         await receiver.aclose()
 
 
