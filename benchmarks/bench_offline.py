@@ -99,7 +99,7 @@ def tercet_and_runner_tok_s(model, runner, prompts, output_len, *, dtype, chunk,
     torch's intra-op threading differs between the main thread and others, and
     both sides should get the same.
     """
-    from serving.engine import open_engine
+    from serving.runtime.engine import open_engine
 
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
 

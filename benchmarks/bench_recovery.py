@@ -197,7 +197,7 @@ async def time_scheduler_start(topology) -> float:
 
     with tempfile.TemporaryDirectory(prefix="tercet-load-") as tmp:
         config = topology.scheduler_config(f"ipc://{tmp}/detokenizer")
-        child = ProcessChild("serving.scheduler:scheduler_child",
+        child = ProcessChild("serving.managers.scheduler:scheduler_child",
                              {"address": f"ipc://{tmp}/scheduler", "config": msgspec.to_builtins(config)},
                              name="scheduler")
         async with trio.open_nursery() as nursery:
@@ -219,7 +219,7 @@ def write_config(args, tmp: Path) -> Path:
 
 
 async def benchmark(args) -> dict:
-    from serving.topology import load_topology
+    from serving.runtime.topology import load_topology
 
     with tempfile.TemporaryDirectory(prefix="tercet-bench-") as tmp_dir:
         tmp = Path(tmp_dir)

@@ -1,6 +1,10 @@
 """``tercet serve``: start a topology and its HTTP server.
 
-Flags override the topology file; their names follow SGLang and vLLM.
+Flags override the topology file; their names follow SGLang and vLLM. With
+one tokenizer manager, hypercorn serves the app here and its lifespan starts
+the topology (``serving.runtime.launch``); with tokenizer workers, this
+process binds the port and supervises, and the workers serve it
+(``serving.runtime.workers``).
 """
 
 from __future__ import annotations
@@ -13,18 +17,24 @@ import sys
 from typing import Any
 
 import trio
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
 
-from .topology import Topology, TopologyError, load_topology
+from .http.app import build_app, hypercorn_config
+from .runtime.launch import open_runtime
+from .runtime.topology import Topology, TopologyError, load_topology
+from .runtime.workers import open_worker_pool
 
-__all__ = ["main", "serve"]
+__all__ = ["main", "serve", "serve_workers", "serving_app"]
 
-log = logging.getLogger("serving.cli")
+log = logging.getLogger(__name__)
 
 # flag → dotted topology field
 OVERRIDES = {
     "model": "model.path",
     "tokenizer": "model.tokenizer",
     "dtype": "model.dtype",
+    "device": "model.device",
     "served_model_name": "model.served_model_name",
     "host": "server.host",
     "port": "server.port",
@@ -52,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--port", type=int)
     serve_p.add_argument("--api-key")
     serve_p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    serve_p.add_argument("--device", help="auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N")
     serve_p.add_argument("--max-running-requests", type=int)
     serve_p.add_argument("--max-queued-requests", type=int)
     serve_p.add_argument("--chunked-prefill-size", type=int)
@@ -102,32 +113,27 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def serve_workers(topology: Topology, *, failure_grace: float = 1.0,
                         task_status: Any = trio.TASK_STATUS_IGNORED) -> BaseException | None:
     """``server.workers > 1``: the supervisor here, HTTP in the worker processes."""
-    from .engine import open_runtime
-
     with listening_socket(topology.server.host, topology.server.port) as sock:
-        async with open_runtime(topology, listen_fd=sock.fileno()) as engine:
+        async with open_worker_pool(topology, sock.fileno()) as pool:
             host, port = sock.getsockname()[:2]
             log.info("ready: %d tokenizer workers serving on http://%s:%d", topology.server.workers, host, port)
-            task_status.started(engine)
-            await _until_signal_or(engine.failed, failure_grace)
-        return engine.failure
+            task_status.started(pool)
+            await _until_signal_or(pool.status.failed, failure_grace)
+        return pool.status.failure
+
+
+def serving_app(topology: Topology) -> Starlette:
+    """The HTTP app of a server with one tokenizer manager: its lifespan starts ``topology``."""
+    return build_app(topology, lambda: open_runtime(topology))
 
 
 async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseException | None:
     """Serve until SIGINT/SIGTERM, or until the runtime fails for good (returned)."""
     if topology.server.workers > 1:
         return await serve_workers(topology, failure_grace=failure_grace)
-    from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from .http_server import build_app
-
-    config = Config()
-    config.bind = [f"{topology.server.host}:{topology.server.port}"]
-    config.accesslog = None
-    config.graceful_timeout = 5.0
-    config.startup_timeout = 900  # the first start converts the GGUF weights
-    app = build_app(topology)
+    # the first start converts the GGUF weights: allow for it
+    config = hypercorn_config(f"{topology.server.host}:{topology.server.port}", startup_timeout=900)
+    app = serving_app(topology)
 
     ready_or_failed = trio.Event()
 
@@ -136,7 +142,7 @@ async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseExcept
 
             async def relay_failure() -> None:
                 await app.state.ready.wait()
-                await app.state.server.engine.failed.wait()
+                await app.state.server.runtime.status.failed.wait()
                 ready_or_failed.set()
 
             nursery.start_soon(relay_failure)
@@ -144,7 +150,7 @@ async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseExcept
             nursery.cancel_scope.cancel()
 
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
-    return app.state.server.engine.failure if app.state.ready.is_set() else None
+    return app.state.server.runtime.status.failure if app.state.ready.is_set() else None
 
 
 def main(argv: list[str] | None = None) -> int:

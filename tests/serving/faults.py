@@ -6,7 +6,7 @@ import time
 import msgspec
 
 from actors import ActorChild
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.managers.scheduler import Scheduler, SchedulerConfig
 
 
 class HangingScheduler(Scheduler):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from models.runner import ModelRunner, generate
-from serving.batching import BatchState, Limits
-from serving.messages import FinishReason, GenerateReq, SamplingParams
-from serving.radix_cache import RadixCache
+from serving.managers.batching import BatchState, Limits
+from serving.managers.messages import FinishReason, GenerateReq, SamplingParams
+from serving.managers.radix_cache import RadixCache
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -10,8 +10,8 @@ import trio
 from actors import ActorChild
 from actors.testing import open_harness
 from models.loading import load_tokenizer
-from serving.detokenizer import DetokenizerManager, IncrementalDecoder, detokenizer_child
-from serving.messages import BatchStrOut, BatchTokenIDOut, DecodeInit, FinishReason, StopStringHit
+from serving.managers.detokenizer import DetokenizerManager, IncrementalDecoder, detokenizer_child
+from serving.managers.messages import BatchStrOut, BatchTokenIDOut, DecodeInit, FinishReason, StopStringHit
 
 ENGLISH = "The quick brown fox jumps over the lazy dog, then naps in the sun."
 CHINESE = "我们今天去公园散步，天气很好。"

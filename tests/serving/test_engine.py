@@ -6,9 +6,9 @@ import pytest
 import trio
 
 from models.runner import ModelRunner, generate
-from serving.engine import Engine, open_engine
-from serving.messages import FlushCacheReq, SamplingParams, ServerInfoReq
-from serving.tokenizer_manager import DuplicateRequestError, GenerateInput, InvalidRequest, fold
+from serving.runtime.engine import Engine, open_engine
+from serving.managers.messages import FlushCacheReq, SamplingParams, ServerInfoReq
+from serving.managers.tokenizer_manager import DuplicateRequestError, GenerateInput, InvalidRequest, fold
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
@@ -137,7 +137,7 @@ async def test_many_requests_with_random_aborts_leave_nothing_behind():
         assert await tm.call_scheduler(FlushCacheReq())
         info = await tm.call_scheduler(ServerInfoReq())
         assert info["kv_pages_free"] == info["kv_pages_total"]
-        detok = engine.supervisor.child("detokenizer").actor
+        detok = engine.runtime.supervisor.child("detokenizer").actor
         assert detok.states == {}
 
 

@@ -12,9 +12,9 @@ import unicodedata
 import pytest
 
 from models.runner import ModelRunner, generate
-from serving.engine import open_engine
-from serving.messages import SamplingParams
-from serving.tokenizer_manager import GenerateInput
+from serving.runtime.engine import open_engine
+from serving.managers.messages import SamplingParams
+from serving.managers.tokenizer_manager import GenerateInput
 
 pytestmark = pytest.mark.slow
 

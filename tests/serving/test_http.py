@@ -8,8 +8,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from serving.http_server import build_app
-from serving.topology import load_topology
+from serving.cli import serving_app
+from serving.runtime.topology import load_topology
 
 from ..conftest import free_tcp_port
 
@@ -20,7 +20,7 @@ async def start_server(nursery, config="single-process", **overrides):
     hc.bind = [f"127.0.0.1:{topology.server.port}"]
     hc.accesslog = None
     hc.startup_timeout = 600  # child processes load the model before the server is ready
-    app = build_app(topology)
+    app = serving_app(topology)
     await nursery.start(serve, app, hc)
     return f"http://127.0.0.1:{topology.server.port}", app
 
@@ -171,7 +171,7 @@ async def test_unknown_model_route_and_method(server):
 
 
 async def test_client_disconnect_mid_stream_frees_the_request(server):
-    tm = server.app.state.server.engine.tokenizer_manager
+    tm = server.app.state.server.runtime.tokenizer_manager
     body = json.dumps({"text": "x", "stream": True,
                        "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}).encode()
     host, port = server.base_url.host, server.base_url.port
@@ -189,7 +189,7 @@ async def test_client_disconnect_mid_stream_frees_the_request(server):
 
 
 async def test_client_disconnect_while_waiting_non_streaming(server):
-    tm = server.app.state.server.engine.tokenizer_manager
+    tm = server.app.state.server.runtime.tokenizer_manager
     with trio.move_on_after(1.0):
         await server.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 100000,
                                                                               "ignore_eos": True}})

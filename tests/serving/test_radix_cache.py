@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from serving.radix_cache import RadixCache, RadixCacheLocked
+from serving.managers.radix_cache import RadixCache, RadixCacheLocked
 
 
 class FakePool:

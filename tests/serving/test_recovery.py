@@ -66,8 +66,8 @@ def baseline(runner, tokenizer):
     """What a fault-free server answers: the runner's own output (the engine
     tests show the two agree), decoded as the detokenizer does."""
     from models.runner import generate
-    from serving.batching import to_model_sampling
-    from serving.messages import SamplingParams
+    from serving.managers.batching import to_model_sampling
+    from serving.managers.messages import SamplingParams
 
     def expected(bodies):
         out = {}
@@ -81,11 +81,11 @@ def baseline(runner, tokenizer):
 
 
 def scheduler_pid(app):
-    return app.state.server.engine.supervisor.child("scheduler").pid
+    return app.state.server.runtime.supervisor.child("scheduler").pid
 
 
 def assert_clean(app):
-    engine = app.state.server.engine
+    engine = app.state.server.runtime
     assert engine.tokenizer_manager.rid_to_state == {}
 
 
@@ -107,14 +107,14 @@ async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, ba
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         async with trio.open_nursery() as inner:
             inner.start_soon(run_all, client, bodies, stream, texts, done)
-            tm = app.state.server.engine.tokenizer_manager
+            tm = app.state.server.runtime.tokenizer_manager
 
             def received():
                 return sum(len(state.output_ids) for state in tm.rid_to_state.values())
 
             kills = 0
             for _ in range(3):  # in prefill, then in decode: struck by progress, not by the clock
-                await app.state.server.engine.started("scheduler", kills + 1)
+                await app.state.server.runtime.status.started("scheduler", kills + 1)
                 if kills == 0:
                     while len(tm.rid_to_state) < len(bodies):
                         await trio.sleep(0.001)
@@ -137,7 +137,7 @@ async def run_with_fault(nursery, bodies, fault, **overrides):
     """Stream ``bodies`` through a default-topology server; ``fault(app, client)`` strikes
     once tokens are flowing. The texts the clients received, and the app."""
     url, app = await start_server(nursery, "default", **RECOVERY, **overrides)
-    tm = app.state.server.engine.tokenizer_manager
+    tm = app.state.server.runtime.tokenizer_manager
     texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         async with trio.open_nursery() as inner:
@@ -161,12 +161,12 @@ async def test_seeded_sampling_survives_kills(nursery, baseline):
 
 async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline):
     async def kill_detokenizer(app, client):
-        os.kill(app.state.server.engine.supervisor.child("detokenizer").pid, signal.SIGKILL)
+        os.kill(app.state.server.runtime.supervisor.child("detokenizer").pid, signal.SIGKILL)
 
     bodies = requests_for(4, n=16)
     texts, app = await run_with_fault(nursery, bodies, kill_detokenizer)
     assert texts == baseline(bodies)
-    assert app.state.server.engine.supervisor.restarts["detokenizer"] == 1
+    assert app.state.server.runtime.supervisor.restarts["detokenizer"] == 1
     assert_clean(app)
 
 
@@ -180,7 +180,7 @@ async def test_a_frozen_scheduler_is_killed_by_the_output_watchdog(nursery, base
     bodies = requests_for(5, n=8)
     texts, app = await run_with_fault(nursery, bodies, freeze, **{"watchdogs.output_timeout": 3.0})
     assert texts == baseline(bodies)
-    assert app.state.server.engine.supervisor.restarts["scheduler"] == 1
+    assert app.state.server.runtime.supervisor.restarts["scheduler"] == 1
 
 
 async def test_a_step_that_never_returns_trips_the_step_watchdog(nursery, baseline, tmp_path):
@@ -196,7 +196,7 @@ async def test_a_step_that_never_returns_trips_the_step_watchdog(nursery, baseli
         await run_all(client, bodies, True, texts)
     assert texts == expected
     assert (tmp_path / "hung-once").exists()
-    assert app.state.server.engine.supervisor.restarts["scheduler"] == 1
+    assert app.state.server.runtime.supervisor.restarts["scheduler"] == 1
 
 
 async def test_past_the_restart_intensity_requests_fail_fast_and_the_server_exits_non_zero(tmp_path):
@@ -292,7 +292,7 @@ async def test_smollm2_requests_survive_a_scheduler_kill(nursery):
     bodies = [{"text": p, "rid": f"smol-{i}", "sampling_params": {"max_new_tokens": 40, "temperature": 0.0,
                                                                   "ignore_eos": True}}
               for i, p in enumerate(prompts)]
-    tm = app.state.server.engine.tokenizer_manager
+    tm = app.state.server.runtime.tokenizer_manager
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         fault_free = {}
         await run_all(client, bodies, True, fault_free)

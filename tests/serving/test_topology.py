@@ -3,7 +3,9 @@
 import httpx
 import pytest
 
-from serving.topology import CONFIGS, TopologyError, load_topology, parse_size
+from serving.cli import parser, topology_from
+from serving.managers.scheduler import resolve_device
+from serving.runtime.topology import CONFIGS, TopologyError, load_topology, parse_size
 
 from ..conftest import free_tcp_port
 from .test_http import start_server
@@ -45,6 +47,7 @@ def write(tmp_path, text):
         ("scheduler:\n  kv_budget: lots\n", r"t.yaml:2: scheduler.kv_budget: 'lots' is not a size"),
         ("actors:\n  scheduler: {process: child, address: 'inproc://s'}\n", r"t.yaml:2: actors.scheduler: a child process"),
         ("supervision:\n  strategy: one_for_some\n", r"t.yaml:2: supervision.strategy: Invalid enum value"),
+        ("model:\n  device: gpu\n", r"t.yaml:2: model.device: Expected `str` matching regex"),
         ("server: [1, 2\n", r"not valid YAML"),
         ("- 1\n", r"top level must be a mapping"),
     ],
@@ -53,6 +56,41 @@ def test_a_broken_file_names_the_field_and_line(tmp_path, text, expected):
     with pytest.raises(TopologyError) as info:
         load_topology(write(tmp_path, text))
     assert expected in str(info.value), str(info.value)
+
+
+def test_flags_override_the_file():
+    args = parser().parse_args(["serve", "--config", "default", "--device", "cpu", "--dtype", "float32",
+                                "--port", "8123", "--max-running-requests", "7"])
+    topology = topology_from(args)
+    assert topology.model.device == "cpu" and topology.model.dtype == "float32"
+    assert topology.server.port == 8123 and topology.scheduler.max_running_requests == 7
+    assert topology.scheduler_config("inproc://d").device == "cpu"
+    assert load_topology("default").model.device == "auto"
+    with pytest.raises(TopologyError, match="model.device"):
+        topology_from(parser().parse_args(["serve", "--device", "tpu"]))
+
+
+def test_auto_device_is_cuda_only_when_torch_sees_a_gpu():
+    import torch
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cpu") == "cpu"
+
+
+async def test_device_and_context_length_reach_the_scheduler_and_v1_models(nursery, tiny_loaded):
+    config = tiny_loaded.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # bf16 K and V
+    url, _ = await start_server(nursery, **{"model.device": "cpu", "scheduler.kv_budget": per_token * 300})
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        info = (await client.get("/server_info")).json()
+        assert info["device"] == "cpu" and info["scheduler"]["device"] == "cpu"
+        capacity = info["kv_pages_total"] * info["kv_page_size"]
+        assert capacity < config.max_position_embeddings  # the KV pool is the bound here
+        assert info["max_context_len"] == capacity
+        model = (await client.get("/v1/models")).json()["data"][0]
+        assert model["max_model_len"] == capacity
+        r = await client.post("/generate", json={"input_ids": [5] * capacity, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and f"at most {capacity - 1}" in r.json()["error"]["message"]
 
 
 def test_missing_file_lists_the_shipped_ones():

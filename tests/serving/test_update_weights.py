@@ -26,7 +26,7 @@ GREEDY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8
 
 async def test_weights_swap_after_in_flight_requests_finish(nursery, model_dirs):
     url, app = await start_server(nursery, "single-process", **{"model.path": model_dirs["a"], "model.dtype": "float32"})
-    tm = app.state.server.engine.tokenizer_manager
+    tm = app.state.server.runtime.tokenizer_manager
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         before = (await client.post("/generate", json=GREEDY)).json()["output_ids"]
         order = []

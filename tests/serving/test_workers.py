@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from serving.cli import serve_workers
-from serving.topology import TopologyError, load_topology
+from serving.runtime.topology import TopologyError, load_topology
 
 from ..conftest import free_tcp_port
 from .test_http import assert_held_until_continued
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.timeout(600)
 
 async def start_workers(nursery, **overrides):
     topology = load_topology("multi-worker", {"model.path": "tiny", "server.port": free_tcp_port(), **overrides})
-    engine = await nursery.start(serve_workers, topology)
-    return f"http://127.0.0.1:{topology.server.port}", engine
+    pool = await nursery.start(serve_workers, topology)
+    return f"http://127.0.0.1:{topology.server.port}", pool
 
 
 async def pinned_clients(stack, url, per_worker=1, workers=2):
@@ -85,7 +85,7 @@ def test_workers_need_ipc_or_tcp_links(tmp_path):
 
 
 async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, model_dirs):
-    url, engine = await start_workers(nursery, **{"model.path": model_dirs["a"], "model.dtype": "float32"})
+    url, pool = await start_workers(nursery, **{"model.path": model_dirs["a"], "model.dtype": "float32"})
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=3)
         clients = {worker: pinned[worker][0] for worker in pinned}
@@ -115,7 +115,7 @@ async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, m
         assert len(results) == 12
         assert all(len(ids) == 12 and finish == {"type": "length", "matched": 12}
                    for _, ids, finish in results.values())
-        assert all(text == engine.tokenizer.decode(ids) for text, ids, _ in results.values())
+        assert all(text == pool.tokenizer.decode(ids) for text, ids, _ in results.values())
         # either worker reports the whole server's figures
         for worker in (0, 1):
             assert await metric(clients[worker], 'tercet_requests_total{finish_reason="length"}') == 12
@@ -167,12 +167,12 @@ async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, m
         assert after[0] == after[1] != before
         r = await pinned[1][0].post("/update_weights_from_disk", json={"model_path": model_dirs["wide"]})
         assert r.status_code == 400 and "hidden_size" in r.json()["error"]["message"]
-    assert not engine.paused and not engine.updating
+    assert not pool.paused and not pool.updating
     nursery.cancel_scope.cancel()
 
 
 async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nursery):
-    url, engine = await start_workers(nursery)
+    url, pool = await start_workers(nursery)
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=3)
         clients = {worker: pinned[worker][0] for worker in pinned}
@@ -200,7 +200,7 @@ async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nurs
             before = await wait_for(probe, lambda info: info["requests_by_worker"].get("0") == 3
                                     and info["requests_by_worker"].get("1") == 3)
             os.kill(before["pids"]["worker-0"], signal.SIGKILL)
-            await engine.started("worker-0", 2)  # restarted, after the scheduler aborted its requests
+            await pool.status.started("worker-0", 2)  # restarted, after the scheduler aborted its requests
             info = (await probe.get("/server_info")).json()
             assert "0" not in info["requests_by_worker"]
             assert info["pids"]["worker-0"] != before["pids"]["worker-0"]
@@ -212,7 +212,7 @@ async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nurs
         assert len(cut) == 3
         assert len(completed) == 3 and all(len(ids) == 400 and finish["type"] == "length"
                                            for _, ids, finish in completed)
-        assert engine.restarts == {"scheduler": 0, "detokenizer": 0, "control": 0, "worker-0": 1, "worker-1": 0}
+        assert pool.status.restarts == {"scheduler": 0, "detokenizer": 0, "control": 0, "worker-0": 1, "worker-1": 0}
         assert_drained(await wait_for(probe, lambda info: info["running"] == 0))
     nursery.cancel_scope.cancel()
 
@@ -220,7 +220,7 @@ async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nurs
 async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, baseline):
     bodies = requests_for(21, n=8, max_new_tokens=300)
     expected = baseline(bodies)
-    url, engine = await start_workers(nursery, **RECOVERY)
+    url, pool = await start_workers(nursery, **RECOVERY)
     texts = {}
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=4)
@@ -237,7 +237,7 @@ async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, ba
             info = await wait_for(probe, lambda info: info["requests_by_worker"] == {"0": 4, "1": 4}
                                   and info["steps"] >= 10)
             os.kill(info["pids"]["scheduler"], signal.SIGKILL)
-            await engine.started("scheduler", 2)
+            await pool.status.started("scheduler", 2)
         info = (await probe.get("/server_info")).json()
         assert await metric(probe, 'tercet_restarts{actor="scheduler"}') == 1
         assert await metric(probe, "tercet_recovery_seconds_count") == 1
@@ -257,7 +257,7 @@ async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(n
     async def serve(task_status=trio.TASK_STATUS_IGNORED):
         returned["failure"] = await serve_workers(topology, failure_grace=0.5, task_status=task_status)
 
-    engine = await nursery.start(serve)
+    pool = await nursery.start(serve)
     ended = {}
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=2)
@@ -286,7 +286,7 @@ async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(n
                 await streaming.acquire()
             os.kill(pids["scheduler"], signal.SIGKILL)
             killed_at = trio.current_time()
-    assert engine.failed.is_set()
+    assert pool.status.failed.is_set()
     for (worker, k), (status, text, at) in ended.items():
         assert at - killed_at < 1.0, (worker, k, at - killed_at)
         if k == 0:  # streaming: an error event, then [DONE]

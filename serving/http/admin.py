@@ -11,9 +11,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from actors import CallError
 
-from .http_state import BadRequest, ServerState, decode_body
-from .messages import DetokenizerInfoReq, FlushCacheReq, SamplingParams, ServerInfoReq
-from .tokenizer_manager import GenerateInput
+from ..managers.messages import DetokenizerInfoReq, FlushCacheReq, SamplingParams, ServerInfoReq
+from ..managers.tokenizer_manager import GenerateInput
+from .errors import BadRequest, decode_body
+from .state import ServerState
 
 __all__ = [
     "abort_request",
@@ -32,7 +33,7 @@ __all__ = [
 async def models(request: Request, state: ServerState) -> Response:
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "tercet",
-        "max_model_len": state.max_model_len,
+        "max_model_len": await state.context_len(),
     }]})
 
 
@@ -49,7 +50,7 @@ async def health_generate(request: Request, state: ServerState) -> Response:
         return PlainTextResponse(problem, status_code=503)
     obj = GenerateInput(input_ids=[1], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
     with trio.move_on_after(20.0):
-        async with aclosing(state.engine.tokenizer_manager.generate(obj)) as stream:
+        async with aclosing(state.runtime.tokenizer_manager.generate(obj)) as stream:
             async for chunk in stream:
                 if chunk.finished is not None:
                     if chunk.finished.type == "abort":
@@ -59,20 +60,20 @@ async def health_generate(request: Request, state: ServerState) -> Response:
 
 
 async def metrics(request: Request, state: ServerState) -> Response:
-    body = await state.metrics.render(state)
+    body = await state.metrics.render(state.runtime)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def server_info(request: Request, state: ServerState) -> Response:
     info = await state.call(ServerInfoReq())
-    engine = state.engine
+    runtime = state.runtime
     try:
-        detokenizer = await engine.tokenizer_manager.call_detokenizer(DetokenizerInfoReq(), timeout=5.0)
+        detokenizer = await runtime.tokenizer_manager.call_detokenizer(DetokenizerInfoReq(), timeout=5.0)
     except CallError as exc:
         detokenizer = {"error": str(exc)}
     return JSONResponse({
-        "model": state.model_name, "topology": msgspec.to_builtins(engine.topology),
-        "restarts": engine.restarts, "pids": engine.pids(), "worker": engine.worker,
+        "model": state.model_name, "topology": msgspec.to_builtins(runtime.topology),
+        "restarts": runtime.status.restarts, "pids": runtime.status.pids(), "worker": runtime.worker,
         "detokenizer": detokenizer, **info,
     })
 
@@ -83,7 +84,7 @@ class AbortBody(msgspec.Struct):
 
 async def abort_request(request: Request, state: ServerState) -> Response:
     body = await decode_body(request, AbortBody)
-    found = await state.engine.tokenizer_manager.abort(body.rid)
+    found = await state.runtime.tokenizer_manager.abort(body.rid)
     return JSONResponse({"rid": body.rid, "aborted": found})
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from .messages import FinishReason, SamplingParams
-from .tokenizer_manager import Chunk, GenerateInput, InvalidRequest
+from ..managers.messages import FinishReason, SamplingParams
+from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
 
 __all__ = [
     "ChatRequest",

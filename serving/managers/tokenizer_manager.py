@@ -44,7 +44,7 @@ from .messages import (
 
 __all__ = ["Chunk", "DuplicateRequestError", "GenerateInput", "ReqState", "TokenizerManager"]
 
-log = logging.getLogger("serving.tokenizer_manager")
+log = logging.getLogger(__name__)
 
 
 class DuplicateRequestError(ValueError):

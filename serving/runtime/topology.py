@@ -1,29 +1,33 @@
 """Topologies: which actors run where, over which links, under what supervision.
 
 A YAML file (see ``configs/``) is validated into ``Topology``; a mistake is a
-``TopologyError`` naming the file, line and field. ``build_children`` turns a
-topology into the supervisor's child specs: each actor in this process or in
-a child process, each link ``inproc://``, ``ipc://`` or ``tcp://`` by its
-address. ``{runtime_dir}`` in an address is a private temporary directory.
+``TopologyError`` naming the file, line and field. Flags of ``tercet serve``
+arrive as dotted overrides (``model.path``, ``server.port``, ...). Each link
+is ``inproc://``, ``ipc://`` or ``tcp://`` by its address; ``{runtime_dir}``
+in an address is a private temporary directory made at start. This module
+only reads and checks; ``serving.runtime.launch`` starts what it describes.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
-from actors import ActorChild, Backoff, ChildSpec, Supervisor
-from actors.process import ProcessChild
+from actors import WatchdogTimeout
 
-from .scheduler import Scheduler, SchedulerConfig
+from ..managers.messages import RuntimeStatus
+from ..managers.scheduler import SchedulerConfig
+from ..managers.tokenizer_manager import TokenizerManager
 
-__all__ = ["Topology", "TopologyError", "build_children", "load_topology", "parse_size"]
+__all__ = ["Topology", "TopologyError", "load_topology", "make_tokenizer_manager", "parse_size",
+           "tokenizer_source"]
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 class TopologyError(ValueError):
@@ -34,6 +38,8 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None  # None: the embedded SmolLM2; "tiny": a tiny random model (tests)
     tokenizer: str | None = None  # default: the model's
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # auto: the first CUDA device when torch sees one (in the scheduler's process), else the CPU
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     served_model_name: str | None = None
 
 
@@ -121,6 +127,11 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             if self.server.workers > 64:
                 raise TopologyError("server.workers: at most 64")
 
+    def addresses(self, runtime_dir: Path) -> dict[str, str]:
+        """Each actor's address, ``{runtime_dir}`` filled in."""
+        return {name: getattr(self.actors, name).address.replace("{runtime_dir}", str(runtime_dir))
+                for name in ("scheduler", "detokenizer", "tokenizer")}
+
     def worker_addresses(self, runtime_dir: Path) -> list[str]:
         """The mailbox of each tokenizer worker: the tokenizer address, numbered when there are several."""
         address = self.actors.tokenizer.address.replace("{runtime_dir}", str(runtime_dir))
@@ -134,7 +145,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
     def scheduler_config(self, detokenizer: str) -> SchedulerConfig:
         s = self.scheduler
         return SchedulerConfig(
-            model=self.model.path, dtype=self.model.dtype, page_size=s.page_size,
+            model=self.model.path, dtype=self.model.dtype, device=self.model.device, page_size=s.page_size,
             kv_budget_bytes=parse_size(s.kv_budget, "scheduler.kv_budget"),
             max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
             chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
@@ -208,7 +219,8 @@ def _readable(message: str) -> str:
 
 def _line_of(text: str, message: str) -> str:
     """``:LINE`` of the YAML node a msgspec error path points at, if found."""
-    match = re.search(r"\$\.?([\w.\[\]]*)", message)
+    # msgspec's path is in backticks ("- at `$.model.device`"); the value may hold a "$" too
+    match = re.search(r"`\$\.?([\w.\[\]]*)`", message) or re.search(r"\$\.?([\w.\[\]]*)", message)
     if match is None:
         return ""
     node = yaml.compose(text)
@@ -225,52 +237,16 @@ def _line_of(text: str, message: str) -> str:
     return f":{line}" if line else ""
 
 
-def build_children(topology: Topology, hub: Any, tokenizer: Any, runtime_dir: Path,
-                   frontend: Any) -> tuple[list[ChildSpec], dict[str, str]]:
-    """Child specs in start order — scheduler, detokenizer, then what ``frontend(addresses)``
-    returns (the tokenizer manager, or the tokenizer workers) — and the addresses."""
-    addresses = {
-        name: getattr(topology.actors, name).address.replace("{runtime_dir}", str(runtime_dir))
-        for name in ("scheduler", "detokenizer", "tokenizer")
-    }
-    workers = topology.worker_addresses(runtime_dir)
-    grace = topology.supervision.shutdown_grace
-    config = topology.scheduler_config(addresses["detokenizer"])
-    detok_args = {"address": addresses["detokenizer"], "tokenizer": tokenizer_source(topology.model),
-                  "workers": workers, "scheduler": addresses["scheduler"]}
-    placement = topology.actors.scheduler
-    if placement.process == "child":
-        scheduler = lambda: ProcessChild(  # noqa: E731
-            placement.target or "serving.scheduler:scheduler_child",
-            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config), **placement.args},
-            name="scheduler", kill_after=grace)
-    else:
-        scheduler = lambda: ActorChild(lambda: Scheduler(config), addresses["scheduler"], hub)  # noqa: E731
-    if topology.actors.detokenizer.process == "child":
-        detokenizer = lambda: ProcessChild(  # noqa: E731
-            topology.actors.detokenizer.target or "serving.detokenizer:detokenizer_child",
-            {**detok_args, **topology.actors.detokenizer.args}, name="detokenizer", kill_after=grace)
-    else:
-        from .detokenizer import DetokenizerManager
-
-        detokenizer = lambda: ActorChild(  # noqa: E731
-            lambda: DetokenizerManager(tokenizer, detok_args["workers"], addresses["scheduler"]),
-            addresses["detokenizer"], hub)
-    specs = [
-        ChildSpec("scheduler", scheduler, shutdown=grace),
-        ChildSpec("detokenizer", detokenizer, shutdown=grace),
-        *frontend(addresses),
-    ]
-    return specs, addresses
-
-
 def tokenizer_source(model: ModelSection) -> str | None:
     if model.tokenizer is not None:
         return model.tokenizer
     return None if model.path in (None, "tiny") else model.path
 
 
-def make_supervisor(topology: Topology, specs: list[ChildSpec], observer: Any) -> Supervisor:
-    s = topology.supervision
-    return Supervisor("server", specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
-                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
+def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[str, str], *, worker: int = 0,
+                           on_stall: Callable[[WatchdogTimeout], None] | None = None,
+                           on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> TokenizerManager:
+    """The tokenizer manager (of tokenizer worker ``worker``) that ``topology`` describes."""
+    return TokenizerManager(tokenizer, scheduler=addresses["scheduler"], detokenizer=addresses["detokenizer"],
+                            worker=worker, watchdog_timeout=topology.watchdogs.output_timeout,
+                            on_stall=on_stall, on_status=on_status)

@@ -16,7 +16,11 @@ from typing import Any
 import msgspec
 import trio
 
+import torch
+
 from actors import Actor, ActorChild, Context, StepWatchdog
+from models.errors import ModelLoadError
+from models.loading import load_model, tiny_model
 from models.runner import ModelRunner
 
 from .batching import BatchState, Limits, Output
@@ -38,12 +42,13 @@ from .radix_cache import RadixCache
 
 __all__ = ["Scheduler", "SchedulerConfig", "scheduler_child"]
 
-log = logging.getLogger("serving.scheduler")
+log = logging.getLogger(__name__)
 
 
 class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # a path; None = the embedded SmolLM2; "tiny" = a tiny random model
     dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when torch sees a GPU)
     page_size: int = 1
     kv_budget_bytes: int = 256 * 1024 * 1024
     max_running_requests: int = 64
@@ -56,16 +61,16 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def build_runner(config: SchedulerConfig) -> ModelRunner:
-    import torch
+    loaded = tiny_model() if config.model == "tiny" else load_model(config.model)
+    return ModelRunner(loaded, dtype=getattr(torch, config.dtype), device=resolve_device(config.device),
+                       page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes)
 
-    from models.loading import load_model, tiny_model
 
-    if config.model == "tiny":
-        loaded = tiny_model()
-    else:
-        loaded = load_model(config.model)
-    return ModelRunner(loaded, dtype=getattr(torch, config.dtype), page_size=config.page_size,
-                       kv_budget_bytes=config.kv_budget_bytes)
+def resolve_device(device: str) -> str:
+    """``auto``: the first CUDA device when torch sees one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 class Scheduler(Actor):
@@ -88,8 +93,7 @@ class Scheduler(Actor):
         cache = RadixCache(runner.kv.free, page_size=runner.kv.page_size) if self.config.enable_prefix_cache else None
         limits = Limits(
             self.config.max_running_requests, self.config.max_queued_requests,
-            self.config.chunked_prefill_size, self.config.schedule_policy,
-            int(getattr(runner.config, "max_position_embeddings", 8192)),
+            self.config.chunked_prefill_size, self.config.schedule_policy, runner.context_len,
         )
         self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits)
         self.watchdog = StepWatchdog("scheduler step", self.config.step_timeout)
@@ -128,25 +132,12 @@ class Scheduler(Actor):
 
     async def _update_weights(self, path: str) -> dict[str, Any]:
         """New weights of the same shape; only between requests (the HTTP layer drains first)."""
-        from models.errors import ModelLoadError
-        from models.layers import CausalLM
-        from models.loading import load_model
-
         if not self.state.idle:
             return {"success": False, "message": "requests are in flight; drain them first"}
         try:
-            loaded = await trio.to_thread.run_sync(load_model, path)
+            await trio.to_thread.run_sync(self.runner.reload_weights, path)
         except ModelLoadError as exc:
             return {"success": False, "message": str(exc)}
-        runner = self.runner
-        old, new = runner.config, loaded.config
-        for field in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "vocab_size"):
-            if getattr(old, field, None) != getattr(new, field, None):
-                return {"success": False, "message": f"{path}: {field} is {getattr(new, field, None)}, "
-                        f"the running model has {getattr(old, field, None)}"}
-        runner.model = await trio.to_thread.run_sync(
-            lambda: CausalLM(new, loaded.state_dict, runner.kv.k.dtype, runner.device))
         if self.state.cache is not None:
             self.state.cache.reset()  # cached K/V came from the old weights
         log.info("weights updated from %s", path)
@@ -173,6 +164,8 @@ class Scheduler(Actor):
         state, kv = self.state, self.runner.kv
         return {
             "scheduler": msgspec.to_builtins(self.config),
+            "device": str(self.runner.device),
+            "max_context_len": self.runner.context_len,
             "waiting": len(state.waiting),
             "running": len(state.running),
             "requests_by_worker": _count_by_worker(state),

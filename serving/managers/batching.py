@@ -29,7 +29,7 @@ from .radix_cache import RadixCache
 
 __all__ = ["Batch", "BatchState", "Limits", "Output", "Req"]
 
-log = logging.getLogger("serving.scheduler")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

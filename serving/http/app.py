@@ -1,0 +1,145 @@
+"""The HTTP face: a Starlette app on hypercorn's trio worker.
+
+Routes: SGLang's native ``/generate``; OpenAI's ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/models``; and ``/health``,
+``/health_generate``, ``/metrics``, ``/server_info``, ``/abort_request``,
+``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
+``/update_weights_from_disk``.
+
+The app does not start anything itself: its lifespan enters the runtime
+opener it was given (``serving.runtime.launch`` starts a topology; a
+tokenizer worker hands in the runtime it runs) and stops it after.
+
+Every bad request is a 400 with an OpenAI-style error body naming the field;
+nothing a client sends makes a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..runtime.interface import Runtime
+from ..runtime.topology import Topology
+from .admin import (
+    abort_request,
+    continue_generation,
+    flush_cache,
+    health,
+    health_generate,
+    metrics,
+    models,
+    pause_generation,
+    server_info,
+    update_weights_from_disk,
+)
+from .errors import BadRequest, error
+from .generate import chat_completions, completions, generate
+from .metrics import Metrics
+from .state import ServerState
+
+__all__ = ["RuntimeOpener", "build_app", "hypercorn_config"]
+
+log = logging.getLogger(__name__)
+
+RuntimeOpener = Callable[[], AbstractAsyncContextManager[Runtime]]
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def routes_for(handler: Callable[[Request, ServerState], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request, _state(request))
+        except BadRequest as exc:
+            return error(exc.status, str(exc), param=exc.param)
+
+    return endpoint
+
+
+ROUTES = [
+    ("/generate", generate, ["POST"]),
+    ("/v1/completions", completions, ["POST"]),
+    ("/v1/chat/completions", chat_completions, ["POST"]),
+    ("/v1/models", models, ["GET"]),
+    ("/health", health, ["GET"]),
+    ("/health_generate", health_generate, ["GET"]),
+    ("/metrics", metrics, ["GET"]),
+    ("/server_info", server_info, ["GET"]),
+    ("/get_server_info", server_info, ["GET"]),
+    ("/abort_request", abort_request, ["POST"]),
+    ("/flush_cache", flush_cache, ["POST", "GET"]),
+    ("/pause_generation", pause_generation, ["POST"]),
+    ("/continue_generation", continue_generation, ["POST"]),
+    ("/update_weights_from_disk", update_weights_from_disk, ["POST"]),
+]
+
+UNPROTECTED = {"/health"}
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer KEY`` on every route but /health, when a key is set."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in UNPROTECTED:
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                await error(401, "missing or wrong API key (Authorization: Bearer ...)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metrics | None = None) -> Starlette:
+    """The app of ``topology``; its lifespan holds ``open_runtime()`` open while it serves.
+    ``app.state.ready`` is set once it serves, ``app.state.server`` is its ServerState."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with open_runtime() as runtime:
+            state = app.state.server = ServerState(runtime, metrics or Metrics())
+            context = await state.context_len()
+            app.state.ready.set()
+            log.info("ready: model %s (context %d tokens)", state.model_name, context)
+            yield
+
+    middleware = [Middleware(ApiKeyMiddleware, api_key=topology.server.api_key)] if topology.server.api_key else []
+    routes = [Route(path, routes_for(fn), methods=methods) for path, fn, methods in ROUTES]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.ready = trio.Event()
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error(404, f"no route {request.url.path}")
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error(405, f"{request.method} is not allowed on {request.url.path}")
+
+
+def hypercorn_config(bind: str, *, startup_timeout: float = 60.0) -> Config:
+    """How tercet runs hypercorn: ``bind`` is ``HOST:PORT`` or ``fd://N`` (an inherited socket)."""
+    config = Config()
+    config.bind = [bind]
+    config.accesslog = None
+    config.graceful_timeout = 5.0
+    config.startup_timeout = startup_timeout
+    return config
+

@@ -1,0 +1,230 @@
+"""The generation routes: SGLang's ``/generate`` and OpenAI's completions and chat.
+
+Each builds a ``GenerateInput`` and hands ``run_request`` two renderers: one
+for the whole answer, one for each streamed chunk. ``run_request`` admits
+the request, streams it from the tokenizer manager, and answers JSON or SSE.
+A client that disconnects (streaming or not) aborts its request down to the
+scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..managers.messages import FinishReason, SamplingParams
+from ..managers.tokenizer_manager import Chunk, DuplicateRequestError, GenerateInput, InvalidRequest, fold
+from .errors import BadRequest, decode_body, error_body, finish_error, param_of
+from .openai_api import ChatRequest, CompletionRequest, Responder, chat_input, completion_input
+from .state import ServerState
+
+__all__ = ["chat_completions", "completions", "generate", "run_request"]
+
+_json = msgspec.json.Encoder()
+
+Renderer = Callable[[Chunk], Any | None]
+
+
+async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
+    """Run ``work`` unless the client goes away first: (disconnected, result)."""
+    result: Any = None
+    gone = False
+
+    async def watch(nursery: trio.Nursery) -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        nursery.cancel_scope.cancel()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery)
+            result = await work()
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the work's own error, not the group around it
+        _, errors = group.split(trio.Cancelled)
+        if errors is not None and len(errors.exceptions) == 1 and isinstance(errors.exceptions[0], Exception):
+            raise errors.exceptions[0] from None
+        raise
+    return gone, result
+
+
+@asynccontextmanager
+async def _closing(stream: Any) -> AsyncIterator[Any]:
+    """Close the tokenizer manager's stream (which aborts an unfinished request), even when cancelled."""
+    try:
+        yield stream
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that releases the request (stream closed, gate left) however it
+    ends — even when the client left before the body started."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], Awaitable[Any]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._release()
+
+
+async def run_request(request: Request, state: ServerState, obj: GenerateInput,
+                      whole: Callable[[list[dict[str, Any]]], Any], piece: Renderer,
+                      tail: Callable[[], list[Any]] = list) -> Response:
+    """Generate ``obj``; a JSON response from ``whole`` or an SSE stream of ``piece``s."""
+    async with AsyncExitStack() as held:
+        await held.enter_async_context(state.admitted())
+        stream = await held.enter_async_context(_closing(state.runtime.tokenizer_manager.generate(obj)))
+        timer = state.metrics.timer()
+        try:
+            gone, first = await until_disconnected(request, lambda: _first(stream))
+        except (InvalidRequest, DuplicateRequestError) as exc:
+            raise BadRequest(str(exc), param_of(str(exc))) from None
+        if gone or first is None:
+            return Response(status_code=499)
+        timer.chunk(first)
+        if (failed := finish_error(first.finished)) is not None:
+            return failed
+        if obj.stream:
+            return _Stream(_events(first, stream, timer, piece, tail), held.pop_all().aclose)
+
+        async def rest() -> dict[int, list[Chunk]]:
+            chunks: dict[int, list[Chunk]] = {first.index: [first]}
+            async for chunk in stream:
+                timer.chunk(chunk)
+                chunks.setdefault(chunk.index, []).append(chunk)
+            return chunks
+
+        gone, chunks = await until_disconnected(request, rest)
+    if gone:
+        return Response(status_code=499)
+    folded = [fold(chunks[i]) for i in sorted(chunks)]
+    for result in folded:
+        if (failed := finish_error(result["finished"])) is not None:
+            return failed
+    return JSONResponse(whole(folded))
+
+
+async def _events(first: Chunk, stream: AsyncIterator[Chunk], timer: Any, piece: Renderer,
+                  tail: Callable[[], list[Any]]) -> AsyncIterator[bytes]:
+    if (data := piece(first)) is not None:
+        yield _sse(data)
+    async for chunk in stream:
+        timer.chunk(chunk)
+        reason = chunk.finished
+        if reason is not None and reason.status_code:
+            yield _sse(error_body(reason.status_code, reason.message or "aborted"))
+            continue
+        if (data := piece(chunk)) is not None:
+            yield _sse(data)
+    for data in tail():
+        yield _sse(data)
+    yield b"data: [DONE]\n\n"
+
+
+async def _first(stream: AsyncIterator[Chunk]) -> Chunk | None:
+    async for chunk in stream:
+        return chunk
+    return None
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + _json.encode(data) + b"\n\n"
+
+
+# -- routes ----------------------------------------------------------------------------
+
+
+async def generate(request: Request, state: ServerState) -> Response:
+    """SGLang's native API: one prompt or a batch; every streamed chunk holds the text so far."""
+    obj = await decode_body(request, GenerateInput)
+    single = obj.text is None or isinstance(obj.text, str)
+    single = single and (obj.input_ids is None or not obj.input_ids or not isinstance(obj.input_ids[0], list))
+    params = obj.sampling_params
+    n = params.n if isinstance(params, SamplingParams) else 1
+    single = single and n == 1
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list] = {}
+
+    def native(index: int, rid: str, text: str, output_ids: list[int], finished: FinishReason | None,
+               prompt: int, completion: int, cached: int, lps: list, tops: list) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": rid, "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+            "finish_reason": finished.to_json() if finished is not None else None,
+        }
+        if obj.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, output_ids)]
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in top] for top in tops]
+        out = {"text": text, "output_ids": output_ids, "meta_info": meta}
+        if not single:
+            out["index"] = index
+        return out
+
+    def whole(folded: list[dict[str, Any]]) -> Any:
+        results = [native(i, r["rid"], r["text"], r["output_ids"], r["finished"], r["prompt_tokens"],
+                          r["completion_tokens"], r["cached_tokens"], r["logprobs"], r["top_logprobs"])
+                   for i, r in enumerate(folded)]
+        return results[0] if single else results
+
+    def piece(chunk: Chunk) -> dict[str, Any]:
+        texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+        ids.setdefault(chunk.index, []).extend(chunk.token_ids)
+        logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
+        return native(chunk.index, chunk.rid, texts[chunk.index], ids[chunk.index], chunk.finished,
+                      chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens,
+                      logprobs[chunk.index], chunk.top_logprobs)
+
+    return await run_request(request, state, obj, whole, piece)
+
+
+async def completions(request: Request, state: ServerState) -> Response:
+    req = await decode_body(request, CompletionRequest)
+    state.check_model(req.model)
+    obj = _convert(completion_input, req)
+    prompts = 1 if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) else len(req.prompt)
+    responder = Responder("completion", state.model_name, state.runtime.tokenizer, prompts * req.n, req.n)
+    return await _openai(request, state, responder, obj, req)
+
+
+async def chat_completions(request: Request, state: ServerState) -> Response:
+    req = await decode_body(request, ChatRequest)
+    state.check_model(req.model)
+    obj = _convert(chat_input, req)
+    responder = Responder("chat", state.model_name, state.runtime.tokenizer, req.n, req.n)
+    return await _openai(request, state, responder, obj, req)
+
+
+def _convert(fn: Callable[[Any], GenerateInput], req: Any) -> GenerateInput:
+    try:
+        obj = fn(req)
+        for params in [obj.sampling_params] if isinstance(obj.sampling_params, SamplingParams) else []:
+            if (problem := params.check()) is not None:
+                raise InvalidRequest(problem)
+        return obj
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc), param_of(str(exc))) from None
+
+
+async def _openai(request: Request, state: ServerState, responder: Responder, obj: GenerateInput,
+                  req: Any) -> Response:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await run_request(
+        request, state, obj, responder.whole, responder.stream_chunk,
+        tail=lambda: [responder.usage_chunk()] if include_usage else [],
+    )

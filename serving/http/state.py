@@ -1,0 +1,100 @@
+"""What the HTTP routes share: the runtime, admission of new requests, metrics."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from actors import CallError
+
+from ..managers.messages import HealthProbe, ServerInfoReq
+from ..runtime.interface import Runtime
+from .errors import BadRequest
+from .metrics import Metrics
+
+__all__ = ["ServerState"]
+
+
+class ServerState:
+    """The routes' view of one server: ``runtime`` (a ``Runtime``) and its metrics."""
+
+    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
+        self.runtime = runtime
+        self.topology = runtime.topology
+        self.metrics = metrics
+        self.started_at = time.time()
+        path = self.topology.model.path
+        self.model_name = self.topology.model.served_model_name or (
+            "SmolLM2-135M-Instruct" if path is None else Path(path).name.removesuffix(".gguf")
+        )
+        self._context_len: int | None = None
+
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Wait while generation is paused or weights are replaced, and (bounded)
+        while the scheduler restarts; then count as a request in flight."""
+        gate, status = self.runtime.gate, self.runtime.status
+        while True:
+            await gate.wait_open()
+            with trio.move_on_after(self.topology.server.request_wait):
+                await status.scheduler_up()
+            if status.failure is not None:
+                raise BadRequest(f"the server failed: {status.failure}", status=503)
+            if not status.scheduler_running():
+                raise BadRequest("the scheduler is restarting; try again", status=503)
+            if gate.is_open:  # still: no checkpoint from here to entering
+                break
+        with gate.reading():
+            yield
+
+    async def set_paused(self, paused: bool) -> None:
+        try:
+            await self.runtime.set_paused(paused)
+        except CallError as exc:
+            raise BadRequest(f"could not reach the other workers: {exc}", status=503) from None
+
+    async def update_weights(self, path: str) -> tuple[bool, str]:
+        if not os.path.exists(path):
+            return False, f"model_path: {path} does not exist"
+        try:
+            result = await self.runtime.update_weights(path)
+        except CallError as exc:
+            raise BadRequest(f"the weights could not be updated: {exc}", status=503) from None
+        return result["success"], result["message"]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {model!r} not found; this server serves {self.model_name!r}", "model",
+                             status=404)
+
+    async def call(self, msg: Any, *, timeout: float = 10.0) -> Any:
+        return await self.runtime.tokenizer_manager.call_scheduler(msg, timeout=timeout)
+
+    async def context_len(self) -> int:
+        """The longest sequence the scheduler serves (asked once: a restart keeps the model)."""
+        if self._context_len is None:
+            try:
+                info = await self.call(ServerInfoReq(), timeout=10.0)
+            except CallError as exc:
+                raise BadRequest(f"the scheduler does not answer: {exc}", status=503) from None
+            self._context_len = int(info["max_context_len"])
+        return self._context_len
+
+    async def health_problem(self) -> str | None:
+        """None when the scheduler really answers, else why not."""
+        status = self.runtime.status
+        if status.failure is not None:
+            return f"the server failed: {status.failure}"
+        if not status.scheduler_running():
+            return "scheduler restarting"
+        try:
+            await self.call(HealthProbe(), timeout=5.0)
+        except CallError as exc:
+            return f"scheduler does not answer: {exc}"
+        return None

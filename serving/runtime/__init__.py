@@ -1,0 +1,11 @@
+"""Running a topology.
+
+- ``topology``: the YAML schema, its checks and its errors (reads only);
+- ``interface``: the ``Runtime`` the HTTP layer uses, its ``StatusTracker``
+  and ``Gate`` (starts nothing);
+- ``launch``: ``open_runtime`` — the managers under a supervisor, with the
+  tokenizer manager in this process (``LocalRuntime``);
+- ``workers``: ``open_worker_pool`` — the main process of a server with
+  tokenizer worker processes (coordinator, status broadcast);
+- ``engine``: the offline ``Engine`` / ``AsyncEngine``.
+"""

@@ -1,0 +1,214 @@
+"""Starting a topology under supervision.
+
+``open_runtime(topology)`` starts the three managers — the scheduler and the
+detokenizer where the topology places them (this process over ``inproc://``,
+or child processes over ``ipc://`` / ``tcp://``), the tokenizer manager here
+— under one supervisor, and yields a ``LocalRuntime``. Step by step:
+
+1. check the topology and load the tokenizer (in a thread);
+2. make a private runtime directory (``{runtime_dir}`` in addresses) and a hub;
+3. build the child specs in start order: scheduler, detokenizer, front end;
+4. build the supervisor, whose events feed the runtime's ``StatusTracker``;
+5. run it until the caller is done, then stop the children in reverse order.
+
+After a scheduler or detokenizer restart the runtime resumes every request
+in flight; past the restart intensity it ends them all with an error.
+``serving.runtime.workers`` does the same with tokenizer worker processes
+as the front end.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+
+from actors import ActorChild, Backoff, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
+from actors.process import ProcessChild
+from models.loading import load_tokenizer
+from transports import open_hub
+
+from ..managers.detokenizer import DetokenizerManager
+from ..managers.messages import UpdateWeightsReq
+from ..managers.scheduler import Scheduler
+from ..managers.tokenizer_manager import TokenizerManager
+from .interface import Gate, StatusTracker, TokenizerManagerSlot
+from .topology import Topology, make_tokenizer_manager, tokenizer_source
+
+__all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised"]
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S", bound="Supervised")
+
+
+def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any,
+               tokenizer: Any) -> list[ChildSpec]:
+    """The scheduler and the detokenizer, in start order; ``workers``: the mailboxes
+    of the tokenizer managers the detokenizer sends to."""
+    grace = topology.supervision.shutdown_grace
+    config = topology.scheduler_config(addresses["detokenizer"])
+    sched, detok = topology.actors.scheduler, topology.actors.detokenizer
+    if sched.process == "child":
+        scheduler = lambda: ProcessChild(  # noqa: E731
+            sched.target or "serving.managers.scheduler:scheduler_child",
+            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config), **sched.args},
+            name="scheduler", kill_after=grace)
+    else:
+        scheduler = lambda: ActorChild(lambda: Scheduler(config), addresses["scheduler"], hub)  # noqa: E731
+    if detok.process == "child":
+        args = {"address": addresses["detokenizer"], "tokenizer": tokenizer_source(topology.model),
+                "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
+        detokenizer = lambda: ProcessChild(  # noqa: E731
+            detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
+            kill_after=grace)
+    else:
+        detokenizer = lambda: ActorChild(  # noqa: E731
+            lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)
+    return [ChildSpec("scheduler", scheduler, shutdown=grace), ChildSpec("detokenizer", detokenizer, shutdown=grace)]
+
+
+def make_supervisor(topology: Topology, specs: list[ChildSpec],
+                    observer: Callable[[SupervisorEvent], None]) -> Supervisor:
+    s = topology.supervision
+    return Supervisor("server", specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
+                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
+
+
+class Supervised:
+    """A topology under its supervisor, and the status that its events make.
+
+    Subclasses build ``self.supervisor`` (and ``self.status`` from it) in their
+    constructor, and say what a change means to their front end (``_changed``)
+    and what a failure does (``_failed``)."""
+
+    supervisor: Supervisor
+    status: StatusTracker
+
+    def __init__(self, topology: Topology, tokenizer: Any, runtime_dir: Path) -> None:
+        self.topology = topology
+        self.tokenizer = tokenizer
+        self.addresses = topology.addresses(runtime_dir)
+
+    async def supervise(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the supervisor; ready once every child started. A start that fails raises;
+        a failure after that (restart intensity exceeded) ends the runtime."""
+        ready = _Ready(task_status)
+        try:
+            await self.supervisor.run(task_status=ready)
+        except Exception as exc:
+            if not ready.done:
+                raise
+            self.fail(exc)
+
+    def fail(self, failure: BaseException) -> None:
+        """The runtime is beyond repair: end every request with an error, now."""
+        if self.status.fail(failure):
+            self._failed(failure)
+
+    def kill_scheduler(self, reason: BaseException) -> None:
+        """The scheduler hangs where no watchdog of its own sees it: restart it."""
+        self.supervisor.kill("scheduler", reason)
+
+    def _on_event(self, event: SupervisorEvent) -> None:
+        if event.kind == "escalated" and event.supervisor == self.supervisor.name:
+            s = self.topology.supervision
+            self.fail(RestartIntensityExceeded(event.supervisor, s.max_restarts, s.within, event.reason))
+            return
+        self._changed(event, resume=self.status.observe(event))
+
+    def _changed(self, event: SupervisorEvent, *, resume: bool) -> None:
+        raise NotImplementedError
+
+    def _failed(self, failure: BaseException) -> None:
+        raise NotImplementedError
+
+
+class _Ready:
+    """A task status that remembers whether ``started`` was called."""
+
+    def __init__(self, task_status: Any) -> None:
+        self.task_status = task_status
+        self.done = False
+
+    def started(self, value: Any = None) -> None:
+        self.done = True
+        self.task_status.started(value)
+
+
+class LocalRuntime(Supervised):
+    """A topology whose tokenizer manager runs in this process: the ``Runtime``
+    of a single-process server and of the offline Engine."""
+
+    worker = None
+
+    def __init__(self, topology: Topology, tokenizer: Any, runtime_dir: Path, hub: Any,
+                 nursery: trio.Nursery) -> None:
+        super().__init__(topology, tokenizer, runtime_dir)
+        self.gate = Gate()
+        self._nursery = nursery
+        self._tm = TokenizerManagerSlot(lambda: make_tokenizer_manager(
+            topology, tokenizer, self.addresses, on_stall=self.kill_scheduler))
+        grace = topology.supervision.shutdown_grace
+        tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
+            self._tm.build, self.addresses["tokenizer"], hub), shutdown=grace)
+        specs = core_specs(topology, self.addresses, [self.addresses["tokenizer"]], hub, tokenizer)
+        self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
+        self.status = StatusTracker(self.supervisor)
+
+    @property
+    def tokenizer_manager(self) -> TokenizerManager:
+        return self._tm.current
+
+    async def set_paused(self, paused: bool) -> None:
+        self.gate.set_closed(paused)
+
+    async def update_weights(self, path: str) -> dict[str, Any]:
+        async with self.gate.writing():  # requests in flight finish on the old weights
+            return await self.tokenizer_manager.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+
+    def _changed(self, event: SupervisorEvent, *, resume: bool) -> None:
+        if resume and self._tm.started:
+            tm = self._tm.current
+            tm.watchdog.feed()  # the restarted child gets a full timeout
+            self._nursery.start_soon(tm.resubmit_in_flight)
+
+    def _failed(self, failure: BaseException) -> None:
+        if self._tm.started:
+            count = self._tm.current.fail_all(f"the server failed: {failure}")
+            log.critical("runtime failed (%r); ended %d requests in flight", failure, count)
+
+
+@asynccontextmanager
+async def open_supervised(topology: Topology, build: Callable[[Any, Path, Any, trio.Nursery], S]) -> AsyncIterator[S]:
+    """Steps 1, 2 and 5 of the module docstring around ``build(tokenizer, runtime_dir, hub, nursery)``."""
+    topology.check()
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_source(topology.model))
+    with tempfile.TemporaryDirectory(prefix="tercet-") as runtime_dir:
+        async with open_hub() as hub, trio.open_nursery() as nursery:
+            runtime = build(tokenizer, Path(runtime_dir), hub, nursery)
+            await nursery.start(runtime.supervise)
+            try:
+                yield runtime
+            finally:
+                await runtime.supervisor.stop()
+                nursery.cancel_scope.deadline = trio.current_time() + 30.0
+
+
+@asynccontextmanager
+async def open_runtime(topology: Topology) -> AsyncIterator[LocalRuntime]:
+    """Start ``topology`` (one tokenizer manager, in this process); stop it after."""
+    if topology.server.workers > 1:
+        raise ValueError("server.workers > 1: start the tokenizer workers with serving.runtime.workers")
+
+    def build(tokenizer: Any, runtime_dir: Path, hub: Any, nursery: trio.Nursery) -> LocalRuntime:
+        return LocalRuntime(topology, tokenizer, runtime_dir, hub, nursery)
+
+    async with open_supervised(topology, build) as runtime:
+        yield runtime
