@@ -59,9 +59,18 @@ def _hf_greedy(hf_model, prompt, max_new_tokens):
     return out[0, len(prompt):].tolist()
 
 
-def _same_greedy(ours, reference):
-    """Ours (never stopping) agrees with transformers' (which stops at eos)."""
-    return ours[: len(reference)] == reference
+def _assert_same_greedy(ours, reference, max_new_tokens, eos_ids):
+    """Ours (never stopping) agrees with transformers' (which stops at eos).
+
+    Ours must hold all `max_new_tokens`; the reference must too, or stop
+    early on an eos token; and ours must match the whole reference.
+    """
+    assert len(ours) == max_new_tokens, f"ours stopped after {len(ours)} of {max_new_tokens} tokens"
+    if len(reference) < max_new_tokens:
+        assert reference and reference[-1] in eos_ids, (
+            f"transformers stopped after {len(reference)} of {max_new_tokens} tokens without eos"
+        )
+    assert ours[: len(reference)] == reference, f"ours {ours} != transformers' {reference}"
 
 
 @pytest.fixture(scope="session")
@@ -70,5 +79,5 @@ def hf_greedy():
 
 
 @pytest.fixture(scope="session")
-def same_greedy():
-    return _same_greedy
+def assert_same_greedy():
+    return _assert_same_greedy

@@ -22,6 +22,7 @@ def test_embedded_model_is_found_without_importing_its_package():
     assert out.stdout.strip().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+@pytest.mark.slow
 def test_smollm2_config_tokenizer_and_eos(smollm2):
     cfg = smollm2.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)

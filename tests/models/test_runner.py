@@ -19,22 +19,22 @@ def prompts(tokenizer):
     return [tokenizer(t).input_ids for t in TEXTS]
 
 
-def check_batch_against_transformers(model, page_size, hf_greedy, same_greedy):
+def check_batch_against_transformers(model, page_size, hf_greedy, assert_same_greedy):
     runner = ModelRunner(model, dtype=torch.float32, page_size=page_size)
     hf = to_transformers(model)
     batch = prompts(model.tokenizer)
     ours = generate(runner, batch, 8)
     for prompt, out in zip(batch, ours):
-        assert same_greedy(out, hf_greedy(hf, prompt, 8))
+        assert_same_greedy(out, hf_greedy(hf, prompt, 8), 8, model.eos_token_ids)
     assert runner.kv.num_free == runner.kv.num_pages
 
 
-def test_tiny_batch_of_different_lengths_matches_transformers(tiny, hf_greedy, same_greedy):
-    check_batch_against_transformers(tiny, 1, hf_greedy, same_greedy)
+def test_tiny_batch_of_different_lengths_matches_transformers(tiny, hf_greedy, assert_same_greedy):
+    check_batch_against_transformers(tiny, 1, hf_greedy, assert_same_greedy)
 
 
-def test_tiny_batch_with_16_token_pages_matches_transformers(tiny_llama, hf_greedy, same_greedy):
-    check_batch_against_transformers(tiny_llama, 16, hf_greedy, same_greedy)
+def test_tiny_batch_with_16_token_pages_matches_transformers(tiny_llama, hf_greedy, assert_same_greedy):
+    check_batch_against_transformers(tiny_llama, 16, hf_greedy, assert_same_greedy)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -72,14 +72,15 @@ def shared_prefix_run(runner, first, second, shared, new_tokens):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_tiny_shared_prefix_matches_transformers(tiny_llama, page_size, hf_greedy, same_greedy):
+def test_tiny_shared_prefix_matches_transformers(tiny_llama, page_size, hf_greedy, assert_same_greedy):
     runner = ModelRunner(tiny_llama, dtype=torch.float32, page_size=page_size)
     hf = to_transformers(tiny_llama)
     first = list(range(1000, 1040))
     second = first[:32] + list(range(2000, 2011))
     out_a, out_b = shared_prefix_run(runner, first, second, 32, 6)
-    assert same_greedy(out_a, hf_greedy(hf, first, 6))
-    assert same_greedy(out_b, hf_greedy(hf, second, 6))
+    eos = tiny_llama.eos_token_ids
+    assert_same_greedy(out_a, hf_greedy(hf, first, 6), 6, eos)
+    assert_same_greedy(out_b, hf_greedy(hf, second, 6), 6, eos)
     assert runner.kv.num_free == runner.kv.num_pages
 
 
@@ -97,24 +98,27 @@ def test_page_table_too_short_is_refused(tiny_llama):
         runner.step([SeqInput([1, 2, 3, 4, 5], runner.kv.allocate(1))])
 
 
-def test_smollm2_matches_transformers(smollm2, smollm2_hf, hf_greedy, same_greedy):
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2, smollm2_hf, hf_greedy, assert_same_greedy):
     runner = ModelRunner(smollm2, dtype=torch.float32, page_size=16)
     batch = prompts(smollm2.tokenizer)[:2]
     ours = generate(runner, batch, 6, prefill_chunk=7)
     for prompt, out in zip(batch, ours):
-        assert same_greedy(out, hf_greedy(smollm2_hf, prompt, 6))
+        assert_same_greedy(out, hf_greedy(smollm2_hf, prompt, 6), 6, smollm2.eos_token_ids)
 
 
-def test_smollm2_shared_prefix_matches_transformers(smollm2, smollm2_hf, hf_greedy, same_greedy):
+@pytest.mark.slow
+def test_smollm2_shared_prefix_matches_transformers(smollm2, smollm2_hf, hf_greedy, assert_same_greedy):
     runner = ModelRunner(smollm2, dtype=torch.float32)
     tok = smollm2.tokenizer
     first = tok("The quick brown fox jumps over the lazy dog. The dog sleeps.").input_ids
     second = first[:8] + tok(" Then a cat arrives").input_ids
     out_a, out_b = shared_prefix_run(runner, first, second, 8, 4)
-    assert same_greedy(out_a, hf_greedy(smollm2_hf, first, 4))
-    assert same_greedy(out_b, hf_greedy(smollm2_hf, second, 4))
+    assert_same_greedy(out_a, hf_greedy(smollm2_hf, first, 4), 4, smollm2.eos_token_ids)
+    assert_same_greedy(out_b, hf_greedy(smollm2_hf, second, 4), 4, smollm2.eos_token_ids)
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_answers_the_chat_question(smollm2):
     runner = ModelRunner(smollm2, dtype=torch.bfloat16)  # page_size 1: the scheduler's default
     chat = [{"role": "user", "content": "What is the capital of France?"}]
