@@ -21,8 +21,8 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 DETERMINISTIC = True  # flip to False to see the properties fail on the fast path
 
 
-def make_runner(model, dtype, page_size=1):
-    return ModelRunner(model, dtype=dtype, page_size=page_size, kv_budget_bytes=8 << 20,
+def make_runner(model, dtype, page_size=1, kv_budget_bytes=8 << 20):
+    return ModelRunner(model, dtype=dtype, page_size=page_size, kv_budget_bytes=kv_budget_bytes,
                        deterministic=DETERMINISTIC)
 
 
@@ -165,3 +165,24 @@ def test_deterministic_greedy_matches_transformers(tiny, hf_greedy, assert_same_
 def test_deterministic_mode_is_refused_off_cpu(tiny_llama):
     with pytest.raises(ValueError, match="measured on CPU only"):
         ModelRunner(tiny_llama, device="meta", deterministic=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smollm2_properties(smollm2, dtype):
+    """(a)-(d) on the real model: 30 layers, AMX-sized GEMMs, its 49152 x 576 LM head."""
+    runner = make_runner(smollm2, dtype, page_size=16, kv_budget_bytes=256 << 20)
+    rnd = random.Random(6)
+    prompt = smollm2.tokenizer("The quick brown fox jumps over the lazy dog, and then it").input_ids
+    prompt += random_ids(rnd, 48 - len(prompt))
+    logits, ids, logprobs = run(runner, prompt, 5)
+    assert_same(run(runner, prompt, 5, others=40, rnd=rnd), (logits, ids, logprobs))  # (a)
+    donor_pages = runner.kv.allocate(3)  # (b) the first 32 tokens from the cache
+    runner.step([SeqInput(prompt[:32] + random_ids(rnd, 7), donor_pages)])
+    own = runner.kv.allocate(runner.kv.pages_for(len(prompt) + 5) - 2)
+    got = run(runner, prompt, 5, pages=donor_pages[:2] + own, cached=32, chunk=7, others=7, rnd=rnd)
+    assert_same(got, (logits[32:], ids, logprobs))  # (b) + (c) + (a)
+    runner.kv.free(donor_pages)
+    runner.kv.free(own)
+    assert_same(run(runner, prompt, 5, chunk=1), (logits, ids, logprobs))  # (c)
+    assert_same(run(runner, prompt + ids[:3], 2), (logits, ids[3:], logprobs[3:]))  # (d)
