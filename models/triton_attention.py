@@ -1,9 +1,19 @@
 """Triton kernels for the hot paths on GPU, beside their torch references.
 
 `store_kv` mirrors `attention.store_kv`; `paged_decode_attention` mirrors
-`attention.paged_decode_attention` (same arguments, same result). Imported
-only when the runner's device is CUDA; tests run both on CPU under
-`TRITON_INTERPRET=1`.
+`attention.paged_decode_attention` (same arguments, same result);
+`split_kv_attention` mirrors `split_attention.split_kv_attention` (the
+deterministic mode). Imported only when the runner's device is CUDA; tests
+run them on CPU under `TRITON_INTERPRET=1`.
+
+The paged kernel is batch-invariant by construction: one program per
+(row, head) walks that row's keys in blocks of BLOCK_N at fixed absolute
+positions [0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), ... (the last one masked past
+the row's position), reduces each block with the same tree and folds the
+blocks in order. Nothing in a program depends on the other rows or on the
+grid. `split_kv_attention` runs it for prefill rows too, each with its own
+position, so a prefill row and a decode row at the same position run the
+same program on the same keys.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ def _paged_decode_kernel(
     tl.store(out_ptr + (seq * num_heads + head) * head_dim + dims, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size, scale):
+def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size, scale, block_n=32):
     """q [B, heads, d] attends to its pages of k_cache/v_cache [S, kv_heads, d] -> [B, heads, d]."""
     q = q.contiguous()
     batch, num_heads, head_dim = q.shape
@@ -78,6 +88,12 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_s
     _paged_decode_kernel[(batch, num_heads)](
         q, k_cache, v_cache, page_table, context_lens, out,
         scale, page_table.stride(0), page_size, num_heads, k_cache.shape[1], head_dim,
-        BLOCK_N=32, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out
+
+
+def split_kv_attention(q, k_cache, v_cache, row_table, row_pos, page_size, scale, split):
+    """Every row of q [T, heads, d], decode or prefill, attends keys 0..row_pos[i] of its page
+    table row_table[i], in splits of `split` (a power of two) -> [T, heads, d]."""
+    return paged_decode_attention(q, k_cache, v_cache, row_table, row_pos + 1, page_size, scale, split)
