@@ -117,6 +117,12 @@ async def test_cancelled_receive_never_loses_a_message(hub, make_address):
     rng = random.Random(7)
     count = 500
     got = []
+
+    async def cancel_after(scope, checkpoints):
+        for _ in range(checkpoints):
+            await trio.lowlevel.checkpoint()
+        scope.cancel()
+
     async with trio.open_nursery() as nursery:
 
         async def produce():
@@ -126,11 +132,15 @@ async def test_cancelled_receive_never_loses_a_message(hub, make_address):
                     await trio.sleep(0)
 
         nursery.start_soon(produce)
-        while len(got) < count:
-            with trio.CancelScope() as scope:
-                if rng.random() < 0.5:
-                    scope.cancel()  # cancelled at the first checkpoint
-                got.append((await receiver.receive()).seq)
+        with trio.fail_after(10):  # a bound that fails if the last message is the one lost
+            while not got or got[-1] != count - 1:  # a lost message shows in the list below
+                with trio.CancelScope() as scope:
+                    when = rng.random()
+                    if when < 0.3:
+                        scope.cancel()  # cancelled at the first checkpoint
+                    elif when < 0.7:  # cancelled inside receive: waiting, or just after taking a message
+                        nursery.start_soon(cancel_after, scope, rng.randrange(4))
+                    got.append((await receiver.receive()).seq)
     assert got == list(range(count))
     await sender.aclose()
     await receiver.aclose()
