@@ -1,11 +1,13 @@
 """Decode and prefill throughput of models.ModelRunner vs transformers' generate.
 
-    python -m benchmarks.bench_model [--smoke] [--json PATH]
+    python -m benchmarks.bench_model [--smoke] [--json PATH] [--deterministic]
 
 Each row decodes `--new-tokens` greedy tokens for `batch` prompts of equal
 length, end to end (prefill included) in both engines, bf16 on CPU unless
 told otherwise. transformers runs its padded `generate` with its default
-cache. `--smoke` uses the tiny random model and finishes in seconds.
+cache. `--deterministic` adds a column for the runner's deterministic
+(batch-invariant) mode and its ratio to the default mode. `--smoke` uses
+the tiny random model and finishes in seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from models.kv_cache import DEFAULT_BUDGET_BYTES
 from models.loading import load_model, tiny_model, to_transformers
 from models.runner import ModelRunner, SeqInput, generate
 
@@ -59,6 +62,14 @@ def prefill_tok_s(runner, tokens: int, repeats: int = 3) -> float:
     return tokens / best
 
 
+def kv_budget(config, dtype, tokens: int) -> int:
+    """Bytes of KV cache for `tokens` tokens (at least the runner's default)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return max(DEFAULT_BUDGET_BYTES, per_token * tokens)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny random model, a few seconds")
@@ -69,30 +80,48 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also measure ModelRunner(deterministic=True)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
         args.batches, args.new_tokens, args.prefill_len = "1,4", 8, 64
     dtype = DTYPES[args.dtype]
     loaded = tiny_model() if args.smoke else load_model(args.model)
-    runner = ModelRunner(loaded, dtype=dtype)
-    hf = to_transformers(loaded, dtype)
     batches = [int(b) for b in args.batches.split(",")]
-    tercet_tok_s(runner, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)  # warm up
+    budget = kv_budget(loaded.config, dtype, max(max(batches) * (args.prompt_len + args.new_tokens), args.prefill_len))
+    runner = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget)
+    det = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=True) if args.deterministic else None
+    hf = to_transformers(loaded, dtype)
+    for r in (runner, det) if det else (runner,):  # warm up
+        tercet_tok_s(r, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)
     hf_tok_s(hf, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)
     rows = []
-    print(f"{'batch':>5} {'tercet tok/s':>13} {'hf tok/s':>10} {'ratio':>6}", file=sys.stderr)
+    det_head = f" {'det tok/s':>10} {'det/tercet':>10}" if det else ""
+    print(f"{'batch':>5} {'tercet tok/s':>13} {'hf tok/s':>10} {'ratio':>6}{det_head}", file=sys.stderr)
     for batch in batches:
         prompts = prompts_for(loaded.tokenizer, batch, args.prompt_len)
         ours = tercet_tok_s(runner, prompts, args.new_tokens)
         theirs = hf_tok_s(hf, prompts, args.new_tokens)
-        rows.append({"batch": batch, "tercet_tok_s": round(ours, 1), "hf_tok_s": round(theirs, 1),
-                     "ratio": round(ours / theirs, 2)})
-        print(f"{batch:>5} {ours:>13.1f} {theirs:>10.1f} {ours / theirs:>6.2f}", file=sys.stderr)
+        row = {"batch": batch, "tercet_tok_s": round(ours, 1), "hf_tok_s": round(theirs, 1),
+               "ratio": round(ours / theirs, 2)}
+        line = f"{batch:>5} {ours:>13.1f} {theirs:>10.1f} {ours / theirs:>6.2f}"
+        if det:
+            fixed = tercet_tok_s(det, prompts, args.new_tokens)
+            row |= {"det_tok_s": round(fixed, 1), "det_ratio": round(fixed / ours, 2)}
+            line += f" {fixed:>10.1f} {fixed / ours:>10.2f}"
+        rows.append(row)
+        print(line, file=sys.stderr)
     prefill = prefill_tok_s(runner, args.prefill_len)
-    print(f"prefill {args.prefill_len} tokens: {prefill:.0f} tok/s", file=sys.stderr)
+    line = f"prefill {args.prefill_len} tokens: {prefill:.0f} tok/s"
     result = {"rows": rows, "prefill_tok_s": round(prefill, 1), "prefill_len": args.prefill_len,
-              "new_tokens": args.new_tokens, "dtype": args.dtype, "model": loaded.source}
+              "new_tokens": args.new_tokens, "dtype": args.dtype, "model": loaded.source,
+              "threads": torch.get_num_threads()}
+    if det:
+        fixed = prefill_tok_s(det, args.prefill_len)
+        result["det_prefill_tok_s"] = round(fixed, 1)
+        line += f", deterministic {fixed:.0f} tok/s ({fixed / prefill:.2f}x)"
+    print(line, file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -44,6 +44,7 @@ class SplitGroup:
     num_queries: int  # n new tokens per sequence (1 for decode rows)
     kv_rows: torch.Tensor  # [B, J * split] cache row of each key position (masked ones: row 0)
     valid: torch.Tensor  # [B, J, n, split] bool: key position <= query position
+    max_cached: int  # the largest num_cached: queries below j * split - max_cached see no split j
 
     @property
     def end(self) -> int:
@@ -74,11 +75,17 @@ def split_group(start: int, tables: Sequence[Sequence[int]], num_cached: Sequenc
     rows = rows.masked_fill(key_pos[None, :] >= lengths[:, None], 0)
     query_pos = torch.tensor(num_cached)[:, None] + torch.arange(num_queries)  # [B, n]
     valid = key_pos.view(num_splits, 1, split)[None] <= query_pos[:, None, :, None]
-    return SplitGroup(start, len(tables), num_queries, rows.to(device), valid.to(device))
+    return SplitGroup(start, len(tables), num_queries, rows.to(device), valid.to(device), max(num_cached))
 
 
 def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float) -> torch.Tensor:
-    """q [B * n, heads, d] (sequence-major) of one group -> [B * n, heads, d], in fp32 inside."""
+    """q [B * n, heads, d] (sequence-major) of one group -> [B * n, heads, d], in fp32 inside.
+
+    Split by split, each query column folds in the splits it sees, in order
+    (online softmax); a split no query of the group sees is skipped, one that
+    only some see is wholly masked for the others, which leaves them exactly
+    as they were.
+    """
     batch, n = group.num_seqs, group.num_queries
     num_splits, split = group.valid.shape[1], group.valid.shape[-1]
     heads, d = q.shape[1], q.shape[2]
@@ -87,37 +94,49 @@ def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float) -> 
     cols = n * g
     # query columns (query, head in group) per kv head: [B, kv_heads, d, n * g]
     qt = (q.float() * scale).view(batch, n, kv_heads, g, d).permute(0, 2, 4, 1, 3).reshape(batch, kv_heads, d, cols)
-    pad = cols == 1  # a one-column product would be a matrix-vector kernel with other rounding
+    keys = k_cache.index_select(0, group.kv_rows.reshape(-1)).view(batch, num_splits, split, kv_heads, d)
+    values = v_cache.index_select(0, group.kv_rows.reshape(-1)).view(batch, num_splits, split, kv_heads, d)
+    best = torch.full((batch, kv_heads, cols), float("-inf"), device=q.device)
+    total = torch.zeros(batch, kv_heads, cols, device=q.device)
+    acc = torch.zeros(batch, kv_heads, d, cols, device=q.device)
+    for j in range(num_splits):
+        first = max(0, j * split - group.max_cached)  # queries before it see none of split j
+        lo = first * g
+        part_max, part_sum, part_out = _split(
+            qt[..., lo:], keys[:, j], values[:, j], group.valid[:, j, first:], kv_heads, g
+        )
+        new_best = torch.maximum(best[..., lo:], part_max)
+        keep = (best[..., lo:] - new_best).exp()
+        take = (part_max - new_best).exp()  # 0 where the split is wholly masked
+        total[..., lo:] = total[..., lo:] * keep + take * part_sum
+        acc[..., lo:] = acc[..., lo:] * keep[:, :, None, :] + take[:, :, None, :] * part_out
+        best[..., lo:] = new_best
+    out = (acc / total[:, :, None, :]).view(batch, kv_heads, d, n, g)
+    return out.permute(0, 3, 1, 4, 2).reshape(batch * n, heads, d).to(q.dtype)
+
+
+def _split(qt, keys, values, valid, kv_heads: int, g: int):
+    """One split for query columns qt [B, kv_heads, d, m] and keys/values [B, split, kv_heads, d]:
+    per column its max score, sum of exp(score - max) and exp-weighted values [B, kv_heads, d, m]."""
+    batch, _, d, m = qt.shape
+    split = keys.shape[1]
+    pad = m == 1  # a one-column product would be a matrix-vector kernel with other rounding
     if pad:
         qt = torch.cat([qt, qt], dim=-1)
     width = qt.shape[-1]
-    items = batch * num_splits * kv_heads
-    qt = qt[:, None].expand(batch, num_splits, kv_heads, d, width).reshape(items, d, width)
-    flat = group.kv_rows.reshape(-1)
-    shape = (batch, num_splits, split, kv_heads, d)
-    keys = k_cache.index_select(0, flat).view(shape).permute(0, 1, 3, 2, 4).reshape(items, split, d).float()
-    values_t = v_cache.index_select(0, flat).view(shape).permute(0, 1, 3, 4, 2).reshape(items, d, split).float()
-
-    scores = torch.bmm(keys, qt).view(batch, num_splits, kv_heads, split, width).transpose(-1, -2).contiguous()
-    valid = group.valid[:, :, None, :, None, :].expand(batch, num_splits, kv_heads, n, g, split)
-    valid = valid.reshape(batch, num_splits, kv_heads, cols, split)
+    items = batch * kv_heads
+    k = torch.empty(batch, kv_heads, split, d, device=qt.device).copy_(keys.permute(0, 2, 1, 3))
+    vt = torch.empty(batch, kv_heads, d, split, device=qt.device).copy_(values.permute(0, 2, 3, 1))
+    scores = torch.bmm(k.view(items, split, d), qt.reshape(items, d, width))
+    scores = scores.view(batch, kv_heads, split, width).transpose(-1, -2).contiguous()
+    mask = valid[:, None, :, None, :].expand(batch, kv_heads, valid.shape[1], g, split)
+    mask = mask.reshape(batch, kv_heads, m, split)
     if pad:
-        valid = torch.cat([valid, valid], dim=-2)
-    scores.masked_fill_(~valid, float("-inf"))
-    split_max = scores.amax(dim=-1, keepdim=True)  # -inf where a split is wholly masked
-    weights = (scores - split_max.masked_fill(split_max == float("-inf"), 0.0)).exp_()
-    split_sum = weights.sum(dim=-1)  # [B, J, kv_heads, width]
-    split_out = torch.bmm(values_t, weights.view(items, width, split).transpose(1, 2))
-    split_out = split_out.view(batch, num_splits, kv_heads, d, width)
-
-    split_max = split_max[..., 0]
-    best = split_max.amax(dim=1)  # split 0 always holds key 0: finite
-    total = torch.zeros_like(best)
-    acc = torch.zeros(batch, kv_heads, d, width, dtype=torch.float32, device=q.device)
-    for j in range(num_splits):  # fixed order; masked splits add exact zeros
-        w = (split_max[:, j] - best).exp()
-        total = total + w * split_sum[:, j]
-        acc = acc + w[:, :, None, :] * split_out[:, j]
-    out = (acc / total[:, :, None, :])[..., :cols]
-    out = out.view(batch, kv_heads, d, n, g).permute(0, 3, 1, 4, 2).reshape(batch * n, heads, d)
-    return out.to(q.dtype)
+        mask = torch.cat([mask, mask], dim=-2)
+    scores.masked_fill_(~mask, float("-inf"))
+    part_max = scores.amax(dim=-1, keepdim=True)  # -inf where the split is wholly masked
+    weights = (scores - part_max.masked_fill(part_max == float("-inf"), 0.0)).exp_()
+    part_sum = weights.sum(dim=-1)
+    part_out = torch.bmm(vt.view(items, d, split), weights.view(items, width, split).transpose(1, 2))
+    part_out = part_out.view(batch, kv_heads, d, width)
+    return part_max[..., 0][..., :m], part_sum[..., :m], part_out[..., :m]
