@@ -143,9 +143,9 @@ async def test_close_waits_until_a_full_receiver_has_taken_everything(tmp_path):
                 await trio.testing.wait_all_tasks_blocked()  # nobody reads: the close waits
                 assert all_sent.is_set() and not closed.is_set()
                 async for note in receiver:
+                    got.append(note.seq)
                     if closed.is_set() and unread_when_closed is None:
                         unread_when_closed = count - len(got)
-                    got.append(note.seq)
         assert closed.is_set()
         assert got == list(range(count))
         # acknowledged once the receiving process held everything: at most a channel's worth unread
