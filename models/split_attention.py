@@ -2,8 +2,8 @@
 
 A query at position p attends keys 0..p in splits of `split` keys at fixed
 absolute positions [j*split, (j+1)*split). Every split has the same shape
-(keys past p are masked, never dropped), and the splits are combined in the
-order j = 0, 1, 2, ... So what a query gets depends only on its own
+(keys past p are masked, never dropped), and the splits are folded in the
+order j = 0, 1, 2, ... (online softmax). So what a query gets depends only on its own
 sequence's K/V and position, not on whether it is a decode row or a row of
 a prefill chunk, how long that chunk is, what else is in the step, or
 whether its prefix was computed now or taken from the cache (K/V are
@@ -14,13 +14,14 @@ tests): the two products are batched GEMMs whose M and K dimensions are
 fixed (split x head_dim, head_dim x split) and whose N is the number of
 query columns; MKL's results per column do not depend on N as long as the
 call is not a 1-column matrix-vector product (so a lone column is padded
-to two). Softmax statistics reduce over one contiguous split row; `exp` on
-contiguous tensors is vectorised without a scalar tail; max is exact.
-Trailing fully masked splits contribute exactly zero.
+to two). Softmax statistics reduce over one contiguous split row; `exp`
+is vectorised without a scalar tail; max, masking and the fold's
+multiply-adds are exact per element. A split wholly masked for a query
+(a decode row shorter than its group's longest) leaves it exactly as it was.
 
 A `SplitGroup` is a set of sequences with the same number of new tokens:
-all decode rows form one group, each prefill chunk another. The group's
-plan is built once per step (`split_groups`) and shared by every layer.
+all decode rows form one group, each prefill chunk another. batch.py
+builds the groups once per step (`split_group`); every layer shares them.
 """
 
 from __future__ import annotations

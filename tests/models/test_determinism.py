@@ -154,6 +154,17 @@ def test_all_at_once_with_chunks_a_cached_prefix_and_company(tiny_llama, dtype):
     assert_same(got, (logits[16:], ids[resumed_at:], logprobs[resumed_at:]))
 
 
+def test_bf16_with_fp32_upcast_gemms_is_invariant_too(tiny_llama):
+    """CPUs without bf16 units multiply bf16 as fp32 sgemm (layers._linear's `upcast`)."""
+    runner = make_runner(tiny_llama, torch.bfloat16)
+    runner.model.upcast = True
+    rnd = random.Random(7)
+    prompt = random_ids(rnd, 30)
+    logits, ids, logprobs = run(runner, prompt, 4)
+    assert_same(run(runner, prompt, 4, chunk=7, others=7, rnd=rnd), (logits, ids, logprobs))
+    assert_same(run(runner, prompt + ids[:2], 2), (logits, ids[2:], logprobs[2:]))
+
+
 def test_deterministic_greedy_matches_transformers(tiny, hf_greedy, assert_same_greedy):
     runner = ModelRunner(tiny, dtype=torch.float32, deterministic=True)
     hf = to_transformers(tiny)
