@@ -45,8 +45,16 @@ from .split_attention import DEFAULT_SPLIT
 
 DEFAULT_CONTEXT_LEN = 8192  # for a config that names no position limit
 # what must match for new weights to fit the running model and its KV pool
-SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size")
+SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+
+
+def shape_of(config) -> dict:
+    """The fields of a model config that fix its tensors' shapes (head_dim as the model computes it)."""
+    shape = {name: getattr(config, name, None) for name in SHAPE_FIELDS}
+    shape["head_dim"] = shape["head_dim"] or config.hidden_size // config.num_attention_heads
+    shape["num_key_value_heads"] = shape["num_key_value_heads"] or config.num_attention_heads
+    return shape
 
 
 @dataclass
@@ -122,10 +130,10 @@ class ModelRunner:
         """Replace the weights with those at `path`, of the same architecture and shapes
         (the KV pool stays as it is); `ModelLoadError` leaves the old weights in place."""
         loaded = load_model(path)
+        old, new = shape_of(self.config), shape_of(loaded.config)
         for name in SHAPE_FIELDS:
-            old, new = getattr(self.config, name, None), getattr(loaded.config, name, None)
-            if old != new:
-                raise ModelLoadError(f"{path}: {name} is {new}, the running model has {old}")
+            if old[name] != new[name]:
+                raise ModelLoadError(f"{path}: {name} is {new[name]}, the running model has {old[name]}")
         self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast)
 
     @torch.inference_mode()
