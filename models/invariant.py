@@ -33,8 +33,11 @@ def tiled_linear(x, weight, bias, tile: int, upcast: bool = False) -> torch.Tens
     """`F.linear(x, weight, bias)` with every row computed in a `tile`-row GEMM of fixed shape."""
     rows = x.shape[0]
     padded = -(-rows // tile) * tile
-    buf = x.new_zeros(padded, x.shape[1])
-    buf[:rows] = x
+    if padded == rows and x.is_contiguous() and x.data_ptr() % 64 == 0:
+        buf = x
+    else:
+        buf = x.new_zeros(padded, x.shape[1])
+        buf[:rows] = x
     if upcast:  # a bf16 product as fp32 sgemm on exact upcasts (CPUs without bf16 units)
         buf, weight = buf.float(), weight.float()
     out = buf.new_empty(padded, weight.shape[0])

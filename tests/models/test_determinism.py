@@ -16,6 +16,7 @@ import torch
 
 from models.loading import to_transformers
 from models.runner import ModelRunner, SeqInput, generate
+from models.sampling import GREEDY, SamplingParams
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 DETERMINISTIC = True  # flip to False to see the properties fail on the fast path
@@ -42,11 +43,13 @@ def company(runner, rnd, size):
     return seqs
 
 
-def run(runner, prompt, steps, *, pages=None, cached=0, chunk=None, others=0, rnd=None):
-    """Prefill prompt[cached:] (in chunks of `chunk`), then decode `steps - 1` greedy tokens;
-    each step beside `others` random sequences (the target at a random place).
+def run(runner, prompt, steps, *, pages=None, cached=0, chunk=None, others=0, rnd=None, params=GREEDY):
+    """Prefill prompt[cached:] (in chunks of `chunk`), then decode `steps - 1` tokens (greedy
+    unless `params` say otherwise); each step beside `others` random sequences (the target at
+    a random place).
 
-    Returns the logits after every token from prompt[cached] on, the sampled ids and logprobs.
+    Returns the logits after every token from prompt[cached] on, the sampled ids and logprobs
+    (with the top logprobs, when asked for).
     """
     own = pages is None
     if own:
@@ -58,7 +61,7 @@ def run(runner, prompt, steps, *, pages=None, cached=0, chunk=None, others=0, rn
         else:
             new = [ids[-1]]
         last = cached + len(new) >= len(prompt)
-        target = SeqInput(new, pages, cached, sample=last, prompt_ids=prompt, output_ids=list(ids))
+        target = SeqInput(new, pages, cached, last, params, prompt, list(ids))
         extra = company(runner, rnd, others) if others else []
         at = rnd.randrange(len(extra) + 1) if others else 0
         batch = [*extra[:at], target, *extra[at:]]
@@ -66,7 +69,7 @@ def run(runner, prompt, steps, *, pages=None, cached=0, chunk=None, others=0, rn
         out = runner.step(batch)  # the same step again: same K/V, and the sampler's view
         if last:
             ids.append(out.token_ids[at])
-            logprobs.append(out.logprobs[at])
+            logprobs.append((out.logprobs[at], out.top_logprobs[at]) if params.top_logprobs else out.logprobs[at])
         cached += len(new)
         for s in extra:
             runner.kv.free(s.page_table)
@@ -152,6 +155,19 @@ def test_all_at_once_with_chunks_a_cached_prefix_and_company(tiny_llama, dtype):
     got = run(runner, tokens, 6 - resumed_at, pages=donor_pages[:1] + own, cached=16,
               chunk=7, others=7, rnd=rnd)
     assert_same(got, (logits[16:], ids[resumed_at:], logprobs[resumed_at:]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seeded_sampling_with_filters_and_penalties_is_invariant_too(tiny_llama, dtype):
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            frequency_penalty=0.3, presence_penalty=0.2, seed=11, top_logprobs=3)
+    runner = make_runner(tiny_llama, dtype)
+    rnd = random.Random(8)
+    prompt = random_ids(rnd, 25)
+    logits, ids, logprobs = run(runner, prompt, 6, params=params)
+    assert_same(run(runner, prompt, 6, chunk=7, others=63, rnd=rnd, params=params), (logits, ids, logprobs))
+    resumed = run(runner, prompt + ids[:3], 3, params=params)  # penalties now see ids[:3] as prompt
+    assert resumed[0].equal(logits)
 
 
 def test_bf16_with_fp32_upcast_gemms_is_invariant_too(tiny_llama):
