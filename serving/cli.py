@@ -39,6 +39,9 @@ OVERRIDES = {
     "host": "server.host",
     "port": "server.port",
     "api_key": "server.api_key",
+    "admin_api_key": "server.admin_api_key",
+    "max_request_bytes": "server.max_request_bytes",
+    "weights_root": "server.weights_roots",
     "tokenizer_worker_num": "server.workers",
     "max_running_requests": "scheduler.max_running_requests",
     "max_queued_requests": "scheduler.max_queued_requests",
@@ -60,7 +63,12 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--served-model-name")
     serve_p.add_argument("--host")
     serve_p.add_argument("--port", type=int)
-    serve_p.add_argument("--api-key")
+    serve_p.add_argument("--api-key", help="every route but /health needs 'Authorization: Bearer KEY'")
+    serve_p.add_argument("--admin-api-key", help="the admin routes need this key instead (pause, continue, "
+                         "flush, abort, update weights, server info)")
+    serve_p.add_argument("--max-request-bytes", help="a larger request body gets 413 (default 32MiB)")
+    serve_p.add_argument("--weights-root", action="append",
+                         help="a directory /update_weights_from_disk may load from (besides the model's own); repeatable")
     serve_p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     serve_p.add_argument("--device", help="auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N")
     serve_p.add_argument("--max-running-requests", type=int)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import aclosing
+from typing import Any
 
 import msgspec
 import trio
@@ -48,9 +49,11 @@ async def health_generate(request: Request, state: ServerState) -> Response:
     problem = await state.health_problem()
     if problem is not None:
         return PlainTextResponse(problem, status_code=503)
+    if not state.runtime.gate.is_open:  # paused, or weights being replaced: no generation now
+        return PlainTextResponse("generation is paused or the weights are being updated", status_code=503)
     obj = GenerateInput(input_ids=[1], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
     with trio.move_on_after(20.0):
-        async with aclosing(state.runtime.tokenizer_manager.generate(obj)) as stream:
+        async with state.admitted(), aclosing(state.runtime.tokenizer_manager.generate(obj)) as stream:
             async for chunk in stream:
                 if chunk.finished is not None:
                     if chunk.finished.type == "abort":
@@ -72,10 +75,23 @@ async def server_info(request: Request, state: ServerState) -> Response:
     except CallError as exc:
         detokenizer = {"error": str(exc)}
     return JSONResponse({
-        "model": state.model_name, "topology": msgspec.to_builtins(runtime.topology),
+        "model": state.model_name, "topology": without_secrets(msgspec.to_builtins(runtime.topology)),
         "restarts": runtime.status.restarts, "pids": runtime.status.pids(), "worker": runtime.worker,
         "detokenizer": detokenizer, **info,
     })
+
+
+SECRETS = ("api_key", "admin_api_key", "secret_key", "curve")
+
+
+def without_secrets(value: Any) -> Any:
+    """``value`` (plain data) with every key that names a secret masked."""
+    if isinstance(value, dict):
+        return {k: ("***" if v is not None and any(word in k for word in SECRETS) else without_secrets(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_secrets(v) for v in value]
+    return value
 
 
 class AbortBody(msgspec.Struct):
@@ -110,7 +126,4 @@ class UpdateWeightsBody(msgspec.Struct):
 
 async def update_weights_from_disk(request: Request, state: ServerState) -> Response:
     body = await decode_body(request, UpdateWeightsBody)
-    ok, message = await state.update_weights(body.model_path)
-    if not ok:
-        raise BadRequest(message, "model_path")
-    return JSONResponse({"success": True, "message": message})
+    return JSONResponse({"success": True, "message": await state.update_weights(body.model_path)})

@@ -16,6 +16,7 @@ nothing a client sends makes a 500.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -30,7 +31,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..runtime.interface import Runtime
-from ..runtime.topology import Topology
+from ..runtime.topology import Topology, parse_size
 from .admin import (
     abort_request,
     continue_generation,
@@ -87,21 +88,28 @@ ROUTES = [
 ]
 
 UNPROTECTED = {"/health"}
+ADMIN = {"/server_info", "/get_server_info", "/abort_request", "/flush_cache", "/pause_generation",
+         "/continue_generation", "/update_weights_from_disk"}
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every route but /health, when a key is set."""
+    """``Authorization: Bearer KEY`` on every route but /health when ``api_key`` is set;
+    the admin routes take ``admin_api_key`` instead when that is set. Keys are compared
+    in constant time."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.admin = None if admin_api_key is None else f"Bearer {admin_api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in UNPROTECTED:
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization") != self.expected:
-                await error(401, "missing or wrong API key (Authorization: Bearer ...)")(scope, receive, send)
-                return
+            expected = self.admin if scope["path"] in ADMIN and self.admin is not None else self.expected
+            if expected is not None:
+                given = dict(scope.get("headers") or []).get(b"authorization", b"")
+                if not hmac.compare_digest(given, expected):
+                    await error(401, "missing or wrong API key (Authorization: Bearer ...)")(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 
@@ -118,11 +126,14 @@ def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metri
             log.info("ready: model %s (context %d tokens)", state.model_name, context)
             yield
 
-    middleware = [Middleware(ApiKeyMiddleware, api_key=topology.server.api_key)] if topology.server.api_key else []
+    server = topology.server
+    middleware = [Middleware(ApiKeyMiddleware, api_key=server.api_key, admin_api_key=server.admin_api_key)] \
+        if server.api_key or server.admin_api_key else []
     routes = [Route(path, routes_for(fn), methods=methods) for path, fn, methods in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.ready = trio.Event()
+    app.state.max_request_bytes = parse_size(server.max_request_bytes, "server.max_request_bytes")
     return app
 
 

@@ -11,10 +11,11 @@ from starlette.responses import JSONResponse
 
 from ..managers.messages import FinishReason
 
-__all__ = ["BadRequest", "decode_body", "error", "error_body", "finish_error", "param_of"]
+__all__ = ["BadRequest", "decode_body", "error", "error_body", "finish_error", "param_of", "read_body"]
 
-KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 503: "service_unavailable"}
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+         413: "invalid_request_error", 503: "service_unavailable"}
 
 
 class BadRequest(Exception):
@@ -49,8 +50,24 @@ def param_of(message: str) -> str | None:
     return head if head and " " not in head else None
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass ``limit`` bytes (never read whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"the body has {int(declared)} bytes; this server takes at most {limit}", status=413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BadRequest(f"the body passes {limit} bytes, the most this server takes", status=413)
+        parts.append(part)
+    return b"".join(parts)
+
+
 async def decode_body(request: Request, type_: Any) -> Any:
-    body = await request.body()
+    """The body as ``type_``; 413 past ``request.app.state.max_request_bytes``, 400 for
+    anything that is not valid JSON of that shape (the message names the field)."""
+    body = await read_body(request, request.app.state.max_request_bytes)
     try:
         return msgspec.json.decode(body or b"{}", type=type_)
     except msgspec.ValidationError as exc:
@@ -59,3 +76,7 @@ async def decode_body(request: Request, type_: Any) -> Any:
         raise BadRequest(f"invalid request: {text}", param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None

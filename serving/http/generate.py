@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..managers.messages import FinishReason, SamplingParams
-from ..managers.tokenizer_manager import Chunk, DuplicateRequestError, GenerateInput, InvalidRequest, fold
+from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest, fold
 from .errors import BadRequest, decode_body, error_body, finish_error, param_of
 from .openai_api import ChatRequest, CompletionRequest, Responder, chat_input, completion_input
 from .state import ServerState
@@ -85,16 +85,23 @@ class _Stream(StreamingResponse):
 
 async def run_request(request: Request, state: ServerState, obj: GenerateInput,
                       whole: Callable[[list[dict[str, Any]]], Any], piece: Renderer,
-                      tail: Callable[[], list[Any]] = list) -> Response:
-    """Generate ``obj``; a JSON response from ``whole`` or an SSE stream of ``piece``s."""
+                      tail: Callable[[], list[Any]] = list, names: dict[str, str] | None = None) -> Response:
+    """Generate ``obj``; a JSON response from ``whole`` or an SSE stream of ``piece``s.
+    ``names``: what the client calls the fields an error may name (OpenAI's ``max_tokens``)."""
     async with AsyncExitStack() as held:
-        await held.enter_async_context(state.admitted())
+        gone, _ = await until_disconnected(request, lambda: held.enter_async_context(state.admitted()))
+        if gone:  # the client left while its request waited (paused, restarting)
+            return Response(status_code=499)
         stream = await held.enter_async_context(_closing(state.runtime.tokenizer_manager.generate(obj)))
         timer = state.metrics.timer()
         try:
             gone, first = await until_disconnected(request, lambda: _first(stream))
-        except (InvalidRequest, DuplicateRequestError) as exc:
-            raise BadRequest(str(exc), param_of(str(exc))) from None
+        except InvalidRequest as exc:
+            message, param = str(exc), param_of(str(exc))
+            for ours, theirs in (names or {}).items():
+                message = message.replace(ours, theirs)
+                param = param.replace(ours, theirs) if param else param
+            raise BadRequest(message, param) from None
         if gone or first is None:
             return Response(status_code=499)
         timer.chunk(first)
@@ -226,5 +233,10 @@ async def _openai(request: Request, state: ServerState, responder: Responder, ob
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run_request(
         request, state, obj, responder.whole, responder.stream_chunk,
-        tail=lambda: [responder.usage_chunk()] if include_usage else [],
+        tail=lambda: [responder.usage_chunk()] if include_usage else [], names=OPENAI_NAMES,
     )
+
+
+# the sampling fields as OpenAI's requests name them
+OPENAI_NAMES = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
+                "sampling_params.": ""}

@@ -1,7 +1,9 @@
 """The OpenAI-compatible protocol: requests in, responses and stream chunks out.
 
-Requests are msgspec structs; a wrong type is a 400 naming the field
-(``param``). Unknown fields are ignored, as OpenAI clients send extras.
+Requests are msgspec structs with bounded fields; a wrong type or an
+out-of-range value is a 400 naming the field (``param``). An unknown field
+is a 400 too, and so is an OpenAI parameter this server does not implement
+(``NOT_IMPLEMENTED``): nothing a client asks for is silently ignored.
 SGLang/vLLM extensions (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, no_stop_trim) are accepted.
 """
@@ -14,7 +16,23 @@ from typing import Any
 
 import msgspec
 
-from ..managers.messages import FinishReason, SamplingParams
+from ..managers.messages import (
+    Count,
+    FinishReason,
+    Int64,
+    MinP,
+    NumSamples,
+    Penalty,
+    RepetitionPenalty,
+    RequestId,
+    SamplingParams,
+    StopString,
+    Temperature,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+)
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
 
 __all__ = [
@@ -26,42 +44,80 @@ __all__ = [
 ]
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: accepted, usage comes at the end
 
 
-class _Common(msgspec.Struct):
+# OpenAI parameters this server does not implement: refused with a 400 naming them,
+# never ignored (a client asking for JSON or tools and getting prose is worse off).
+NOT_IMPLEMENTED = ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
+                   "parallel_tool_calls", "audio", "modalities", "prediction", "web_search_options",
+                   "reasoning_effort", "best_of", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar", "structured_outputs")
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    max_tokens: Count | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    n: NumSamples = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    stop: StopString | list[StopString] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: Int64 | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # extensions, as SGLang and vLLM accept them
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    rid: str | None = None
+    rid: RequestId | None = None
+    # named so that they are refused by name (see NOT_IMPLEMENTED)
+    logit_bias: dict[str, float] | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    best_of: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def refuse_unimplemented(self) -> None:
+        for name in NOT_IMPLEMENTED:
+            value = getattr(self, name)
+            harmless = (value is None or value == [] or value == {} or (name == "best_of" and value == 1)
+                        or (name == "parallel_tool_calls" and not self.tools))
+            if not harmless:
+                raise InvalidRequest(f"{name}: not supported by this server")
 
     def sampling(self, max_new_tokens: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias: not supported")
+        """``max_new_tokens`` None: up to the context window."""
+        self.refuse_unimplemented()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_new_tokens=max_new_tokens if max_new_tokens is not None else 16,
+            max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
@@ -73,17 +129,17 @@ class _Common(msgspec.Struct):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str | int | list[int]] = ""  # text, texts, token ids, or lists of them
-    logprobs: int | None = None
+    prompt: str | list[str | TokenId | list[TokenId]] = ""  # text, texts, token ids, or lists of them
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
 
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = []
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: TopLogprobs = 0
 
 
 def completion_input(req: CompletionRequest) -> GenerateInput:
@@ -94,9 +150,7 @@ def completion_input(req: CompletionRequest) -> GenerateInput:
     prompt = req.prompt
     if prompt == "" or prompt == []:
         raise InvalidRequest("prompt: must not be empty")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise InvalidRequest("logprobs: must be in 0..20")
-    sampling = req.sampling(req.max_tokens)
+    sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16)  # OpenAI's default
     common = dict(sampling_params=sampling, stream=req.stream, rid=req.rid,
                   return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0)
     if isinstance(prompt, str):
@@ -125,8 +179,6 @@ def chat_input(req: ChatRequest) -> GenerateInput:
         if content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content: must be a string or a list of text parts")
         messages.append({**message, "content": content or ""})
-    if not 0 <= req.top_logprobs <= 20:
-        raise InvalidRequest("top_logprobs: must be in 0..20")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerateInput(
         messages=messages, sampling_params=req.sampling(max_tokens), stream=req.stream, rid=req.rid,

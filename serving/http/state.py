@@ -13,7 +13,7 @@ import trio
 
 from actors import CallError
 
-from ..managers.messages import HealthProbe, ServerInfoReq
+from ..managers.messages import DetokenizerInfoReq, HealthProbe, ServerInfoReq
 from ..runtime.interface import Runtime
 from .errors import BadRequest
 from .metrics import Metrics
@@ -40,9 +40,13 @@ class ServerState:
         """Wait while generation is paused or weights are replaced, and (bounded)
         while the scheduler restarts; then count as a request in flight."""
         gate, status = self.runtime.gate, self.runtime.status
+        wait = self.topology.server.request_wait
         while True:
-            await gate.wait_open()
-            with trio.move_on_after(self.topology.server.request_wait):
+            with trio.move_on_after(wait):
+                await gate.wait_open()
+            if not gate.is_open:
+                raise BadRequest(f"generation is paused (waited {wait:g} s); try again", status=503)
+            with trio.move_on_after(wait):
                 await status.scheduler_up()
             if status.failure is not None:
                 raise BadRequest(f"the server failed: {status.failure}", status=503)
@@ -59,14 +63,29 @@ class ServerState:
         except CallError as exc:
             raise BadRequest(f"could not reach the other workers: {exc}", status=503) from None
 
-    async def update_weights(self, path: str) -> tuple[bool, str]:
+    def weights_roots(self) -> list[Path]:
+        """Where new weights may come from: the model's own directory and ``server.weights_roots``."""
+        roots = [Path(root) for root in self.topology.server.weights_roots]
+        path = self.topology.model.path
+        if path not in (None, "tiny"):
+            roots.append(Path(path) if Path(path).is_dir() else Path(path).parent)
+        return [root.resolve() for root in roots]
+
+    async def update_weights(self, path: str) -> str:
+        """Load new weights (drained first); the message, or BadRequest (the old weights stay)."""
         if not os.path.exists(path):
-            return False, f"model_path: {path} does not exist"
+            raise BadRequest(f"model_path: {path} does not exist", "model_path")
+        real = Path(path).resolve()
+        if not any(real == root or root in real.parents for root in self.weights_roots()):
+            raise BadRequest(f"model_path: {path} is outside the directories weights may be loaded from "
+                             "(the model's own and server.weights_roots / --weights-root)", "model_path")
         try:
             result = await self.runtime.update_weights(path)
         except CallError as exc:
             raise BadRequest(f"the weights could not be updated: {exc}", status=503) from None
-        return result["success"], result["message"]
+        if not result["success"]:
+            raise BadRequest(result["message"], "model_path", status=result.get("status", 400))
+        return result["message"]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -93,8 +112,13 @@ class ServerState:
             return f"the server failed: {status.failure}"
         if not status.scheduler_running():
             return "scheduler restarting"
+        tm = self.runtime.tokenizer_manager
         try:
-            await self.call(HealthProbe(), timeout=5.0)
+            await tm.call_scheduler(HealthProbe(), timeout=5.0)
         except CallError as exc:
             return f"scheduler does not answer: {exc}"
+        try:
+            await tm.call_detokenizer(DetokenizerInfoReq(), timeout=5.0)
+        except CallError as exc:
+            return f"detokenizer does not answer: {exc}"
         return None

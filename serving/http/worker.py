@@ -81,7 +81,7 @@ class WorkerRuntime:
         self.gate.set_closed(status.paused or status.updating)
         if status.resume and status.scheduler_up:
             tm.watchdog.feed()  # the new scheduler gets a full timeout
-            await tm.resubmit_in_flight()
+            await tm.resubmit_in_flight(status.crash or "a restart downstream")
             self.metrics.resumed.set(tm.resumed)
 
     def end_requests(self, message: str) -> None:

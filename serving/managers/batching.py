@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from models.errors import OutOfPages
 from models.runner import SeqInput
 from models.sampling import SamplingParams as ModelSampling
@@ -93,6 +95,11 @@ class Output:
     top_logprobs: list[list[tuple[int, float]]]
 
 
+def _max_new(s: SamplingParams) -> int:
+    """None (the tokenizer manager resolves it; here for a direct sender): up to the context window."""
+    return s.max_new_tokens if s.max_new_tokens is not None else 2**31 - 1
+
+
 def to_model_sampling(s: SamplingParams) -> ModelSampling:
     return ModelSampling(
         temperature=s.temperature, top_k=s.top_k if s.top_k > 0 else 0, top_p=s.top_p,
@@ -103,8 +110,9 @@ def to_model_sampling(s: SamplingParams) -> ModelSampling:
 
 class BatchState:
     def __init__(self, kv: Any, cache: RadixCache | None, eos_token_ids: frozenset[int],
-                 limits: Limits) -> None:
+                 limits: Limits, vocab_size: int | None = None) -> None:
         self.kv = kv
+        self.vocab_size = vocab_size
         self.cache = cache
         self.eos_token_ids = eos_token_ids
         self.limits = limits
@@ -112,20 +120,29 @@ class BatchState:
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
         self.retracted = 0
+        self.aborted = 0  # requests ended by an abort while queued or running
+        self._refused: list[Output] = []
 
     # -- requests in and out ------------------------------------------------------
 
     def add(self, msg: GenerateReq, *, top_logprobs_cap: int = 20) -> Output | None:
         """Queue a request; an Output when it ends at once (rejected or nothing to do)."""
-        tokens = [int(t) for t in msg.input_ids]
+        ids = np.asarray(msg.input_ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be a 1-D integer array, not {ids.ndim}-D {ids.dtype}")
+        tokens = ids.tolist()
+        if self.vocab_size is not None and tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            raise ValueError(f"input_ids: a token id is outside the vocabulary (size {self.vocab_size})")
         req = Req(
             msg.rid, msg.worker, tokens, len(tokens) - msg.num_prior_output, msg.num_prior_output,
             msg.sampling, to_model_sampling(msg.sampling), msg.stream, msg.return_logprob,
-            min(msg.top_logprobs_num, top_logprobs_cap), replaces=msg.replaces,
+            max(0, min(msg.top_logprobs_num, top_logprobs_cap)), replaces=msg.replaces,
         )
-        for old in (msg.replaces, msg.rid):  # a resume replaces what is left of the old incarnation
-            if old is not None and old in self.by_rid:
-                self.drop(old)
+        if msg.rid in self.by_rid:  # the live one keeps running; this one is refused
+            return self._end_now(req, FinishReason("abort", status_code=400,
+                                                   message=f"rid: request {msg.rid} is already in flight"))
+        if msg.replaces is not None and msg.replaces in self.by_rid:  # a resume replaces the old incarnation
+            self.drop(msg.replaces)
         capacity = self.kv.num_pages * self.kv.page_size
         if not tokens or req.num_prompt <= 0:
             return self._end_now(req, FinishReason("abort", message="the prompt is empty", status_code=400))
@@ -135,16 +152,27 @@ class BatchState:
                 "abort", status_code=400,
                 message=f"the prompt has {len(tokens)} tokens; this server holds at most {limit - 1}",
             ))
-        if len(self.waiting) >= self.limits.max_queued_requests:
+        if len(self.waiting) >= self.limits.max_queued_requests and msg.replaces is None:  # resumes may exceed it
             return self._end_now(req, FinishReason(
                 "abort", status_code=503,
                 message=f"server overloaded: {len(self.waiting)} requests already queued",
             ))
-        if req.num_generated >= msg.sampling.max_new_tokens:
-            return self._end_now(req, FinishReason("length", matched=msg.sampling.max_new_tokens))
+        if req.num_generated >= _max_new(msg.sampling):
+            return self._end_now(req, FinishReason("length", matched=_max_new(msg.sampling)))
         self.by_rid[req.rid] = req
         self.waiting.append(req)
         return None
+
+    def refuse(self, msg: GenerateReq, reason: FinishReason) -> Output:
+        """End a request that could not be queued (its fields may be anything)."""
+        req = Req(str(msg.rid), int(msg.worker) if isinstance(msg.worker, int) else 0, [], 0, 0, SamplingParams(),
+                  ModelSampling(), False, False, 0, replaces=None)
+        return self._end_now(req, reason)
+
+    def take_refused(self) -> list[Output]:
+        """The requests ``schedule`` ended because they could not be laid out (see ``_lay_out``)."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def _end_now(self, req: Req, reason: FinishReason) -> Output:
         req.finished = reason
@@ -156,6 +184,7 @@ class BatchState:
         if req is None:
             return None
         self.drop(rid)
+        self.aborted += 1
         req.finished = reason
         return Output(req, [], [], [])
 
@@ -199,12 +228,22 @@ class BatchState:
         return batch
 
     def _add_to_batch(self, batch: Batch, req: Req, n: int) -> None:
+        try:
+            seq = self._lay_out(req, n)
+        except Exception as exc:  # noqa: BLE001 - this request's fault: it ends, the step goes on
+            log.exception("request %s cannot be laid out for a step", req.rid)
+            output = self.abort(req.rid, FinishReason("abort", status_code=500,
+                                                      message=f"the request could not be run: {exc!r}"))
+            if output is not None:
+                self._refused.append(output)
+            return
+        batch.reqs.append(req)
+        batch.seqs.append(seq)
+
+    def _lay_out(self, req: Req, n: int) -> SeqInput:
         new = req.tokens[req.num_kv : req.num_kv + n]
         last = req.num_kv + n == len(req.tokens)
-        batch.reqs.append(req)
-        batch.seqs.append(SeqInput(
-            new, req.pages, req.num_kv, last, _with_logprobs(req), req.prompt_ids(), req.output_ids,
-        ))
+        return SeqInput(new, req.pages, req.num_kv, last, _with_logprobs(req), req.prompt_ids(), req.output_ids)
 
     def postprocess(self, batch: Batch, sampled: Any) -> list[Output]:
         outputs = []
@@ -231,8 +270,8 @@ class BatchState:
                 return FinishReason("stop", matched=token)
             if token in s.stop_token_ids:
                 return FinishReason("stop", matched=token)
-        if req.num_generated >= s.max_new_tokens:
-            return FinishReason("length", matched=s.max_new_tokens)
+        if req.num_generated >= _max_new(s):
+            return FinishReason("length", matched=_max_new(s))
         if len(req.tokens) >= self.limits.max_context_len:
             return FinishReason("length", matched=len(req.tokens))
         return None

@@ -18,6 +18,8 @@ Control requests (flush cache, server info, health) use the runtime's
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 import numpy as np
 
@@ -47,47 +49,66 @@ __all__ = [
 ]
 
 
+# Bounded types for what clients send: msgspec checks them while decoding, so an
+# out-of-range value is a 400 naming its field before anything runs.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # tokens; the context window bounds it later
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # the vocabulary bounds it later
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]  # OpenAI's bound
+NumSamples = Annotated[int, msgspec.Meta(ge=1, le=128)]  # OpenAI's bound on n
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=100.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # frequency and presence, as OpenAI
+StopString = Annotated[str, msgspec.Meta(min_length=1)]  # count and length: bounded by the server's limits
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """Per-request sampling, with SGLang's names (``seed`` as vLLM/OpenAI).
 
-    Also the schema of ``sampling_params`` in ``POST /generate``: an unknown or
-    mistyped field is an error that names it.
+    Also the schema of ``sampling_params`` in ``POST /generate``: an unknown,
+    mistyped or out-of-range field is an error that names it.
     """
 
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    max_new_tokens: Count | None = 128  # None: up to the context window
+    min_new_tokens: Count = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    seed: Int64 | None = None
+    stop: list[StopString] = []
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
+    n: NumSamples = 1
 
     def check(self) -> str | None:
-        """The first problem with these values, named by field, or None."""
-        checks = [
-            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
-            (0 <= self.min_new_tokens, "min_new_tokens must be >= 0"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (self.n >= 1, "n must be >= 1"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
-        ]
-        return next((message for ok, message in checks if not ok), None)
+        """The first problem with these values, named by field, or None (the same
+        bounds as the types, for parameters built in Python rather than decoded)."""
+        try:
+            msgspec.convert(msgspec.to_builtins(self), SamplingParams)
+        except msgspec.ValidationError as exc:
+            return _readable(str(exc))
+        if self.top_k == 0:
+            return "top_k: must be -1 (off) or >= 1"
+        return None
+
+
+def _readable(message: str) -> str:
+    """msgspec's ``Expected ... - at `$.top_p``` as ``top_p: expected ...``."""
+    text, _, where = message.partition(" - at `$.")
+    if not where:
+        return message
+    return f"{where.rstrip('`')}: {text[:1].lower()}{text[1:]}"
 
 
 class FinishReason(msgspec.Struct, omit_defaults=True):
@@ -219,6 +240,7 @@ class RuntimeStatus(msgspec.Struct, tag=True, array_like=True, gc=False):
 
     scheduler_up: bool
     resume: bool = False  # the scheduler or detokenizer restarted: resubmit what is in flight
+    crash: str | None = None  # with resume: what crashed and why
     failure: str | None = None  # the runtime gave up: end every request with this error
     restarts: dict[str, int] = {}
     crashes: list[tuple[str, str, int]] = []  # (actor, cause, count)
@@ -253,7 +275,6 @@ class UpdateWeightsAll(msgspec.Struct, tag=True, array_like=True, gc=False):
     ``{"success", "message"}``."""
 
     model_path: str
-    timeout: float = 600.0
 
 
 ControlInbox = WorkerStalled | SetPaused | UpdateWeightsAll

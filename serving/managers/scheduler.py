@@ -21,7 +21,7 @@ import torch
 from actors import Actor, ActorChild, Context, StepWatchdog
 from models.errors import ModelLoadError
 from models.loading import load_model, tiny_model
-from models.runner import ModelRunner
+from models.runner import ModelRunner, StepOutput
 
 from .batching import BatchState, Limits, Output
 from .messages import (
@@ -95,7 +95,8 @@ class Scheduler(Actor):
             self.config.max_running_requests, self.config.max_queued_requests,
             self.config.chunked_prefill_size, self.config.schedule_policy, runner.context_len,
         )
-        self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits)
+        self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits,
+                                vocab_size=int(runner.config.vocab_size))
         self.watchdog = StepWatchdog("scheduler step", self.config.step_timeout)
         await ctx.nursery.start(self.watchdog.run)
         ctx.nursery.start_soon(self._loop)
@@ -107,7 +108,7 @@ class Scheduler(Actor):
         assert state is not None
         match msg:
             case GenerateReq():
-                self._end(state.add(msg))
+                self._end(self._add(msg))
             case AbortReq(rid, message):
                 self._end(state.abort(rid, FinishReason("abort", message=message)))
             case AbortWhere(rid, worker, message):
@@ -130,6 +131,15 @@ class Scheduler(Actor):
         self._wakeup.set()
         return None
 
+    def _add(self, msg: GenerateReq) -> Output | None:
+        """Queue a request; one that cannot be queued (whatever the reason) ends alone."""
+        try:
+            return self.state.add(msg)
+        except Exception as exc:  # noqa: BLE001 - the request's fault, not the scheduler's
+            log.exception("request %s could not be queued", msg.rid)
+            return self.state.refuse(msg, FinishReason(
+                "abort", status_code=400, message=f"the request could not be scheduled: {exc!r}"))
+
     async def _update_weights(self, path: str) -> dict[str, Any]:
         """New weights of the same shape; only between requests (the HTTP layer drains first)."""
         if not self.state.idle:
@@ -137,7 +147,11 @@ class Scheduler(Actor):
         try:
             await trio.to_thread.run_sync(self.runner.reload_weights, path)
         except ModelLoadError as exc:
-            return {"success": False, "message": str(exc)}
+            message = str(exc)
+            return {"success": False, "message": message if path in message else f"{path}: {message}"}
+        except Exception as exc:  # noqa: BLE001 - unreadable, malformed or unexpected: the old weights stay
+            log.exception("weights from %s could not be loaded", path)
+            return {"success": False, "message": f"{path}: cannot load these weights: {exc!r}"}
         if self.state.cache is not None:
             self.state.cache.reset()  # cached K/V came from the old weights
         log.info("weights updated from %s", path)
@@ -174,6 +188,7 @@ class Scheduler(Actor):
             "kv_page_size": kv.page_size,
             "cached_pages": state.cache.cached_pages if state.cache is not None else 0,
             "retracted": state.retracted,
+            "aborted": state.aborted,
             "steps": self.steps,
         }
 
@@ -184,14 +199,43 @@ class Scheduler(Actor):
         while True:
             self._wakeup = trio.Event()  # before scheduling: a message from now on wakes us
             batch = state.schedule()
+            for output in state.take_refused():  # requests that could not be laid out for the step
+                self._end(output)
             if not batch:
                 await self._flush([])
                 await self._wakeup.wait()
                 continue
             with self.watchdog.step():
-                sampled = await trio.to_thread.run_sync(runner.step, batch.seqs, abandon_on_cancel=True)
+                try:
+                    sampled = await trio.to_thread.run_sync(runner.step, batch.seqs, abandon_on_cancel=True)
+                except Exception as exc:  # noqa: BLE001 - find out whose fault it is
+                    sampled = await self._isolate(batch, exc)
             self.steps += 1
             await self._flush(state.postprocess(batch, sampled))
+
+    async def _isolate(self, batch: Any, error: Exception) -> StepOutput:
+        """A step failed: run each request of it alone. Those that fail alone end with
+        the error; the others go on. If every one fails, it is nobody's fault: re-raise
+        (the scheduler restarts and the requests resume)."""
+        log.error("a step of %d requests failed (%r); running each alone", len(batch.seqs), error)
+        out = StepOutput([None] * len(batch.seqs), [None] * len(batch.seqs), [None] * len(batch.seqs))
+        failed: list[tuple[int, Exception]] = []
+        for i, seq in enumerate(batch.seqs):
+            try:
+                one = await trio.to_thread.run_sync(self.runner.step, [seq], abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001
+                failed.append((i, exc))
+                continue
+            out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = \
+                one.token_ids[0], one.logprobs[0], one.top_logprobs[0]
+        if len(failed) == len(batch.seqs):
+            raise error
+        for i, exc in failed:
+            req = batch.reqs[i]
+            log.error("request %s fails on its own: %r", req.rid, exc)
+            self._end(self.state.abort(req.rid, FinishReason(
+                "abort", status_code=500, message=f"the model failed on this request: {exc!r}")))
+        return out
 
     async def _flush(self, outputs: list[Output]) -> None:
         outputs, self._pending = self._pending + outputs, []

@@ -12,25 +12,32 @@ there is one owner, no leak, and no abort/finish race.
 
 Each ReqState keeps what a resume needs: prompt ids, the ids and text
 received so far, and sampling parameters with a fixed seed.
+
+Resume and poison quarantine: after the scheduler or the detokenizer
+restarted, ``resubmit_in_flight`` sends every unfinished request again as
+a new incarnation. Each request counts the crashes it was in flight for.
+Once one has been in flight for ``quarantine_after`` crashes in a row, the
+cause may be a request itself (a poison request that crashes whatever runs
+it): the requests then resume *on probation*, one at a time, each waiting
+for the previous one to produce output, with new requests held back. A
+crash while a request is on trial is its own: it ends with an error (500)
+naming the crash and is never resumed again; the others carry on.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 import trio
 
 from actors import Actor, CallError, Context, SoftWatchdog, WatchdogTimeout
-from models.sampling import random_seed
 
+from .inputs import DuplicateRequestError, Expander, GenerateInput, InvalidRequest, RequestLimits, SubRequest
 from .messages import (
     AbortReq,
     AbortWhere,
@@ -39,33 +46,14 @@ from .messages import (
     GenerateReq,
     RuntimeStatus,
     SamplingParams,
+    ServerInfoReq,
     TokenizerInbox,
 )
 
-__all__ = ["Chunk", "DuplicateRequestError", "GenerateInput", "ReqState", "TokenizerManager"]
+__all__ = ["Chunk", "DuplicateRequestError", "GenerateInput", "InvalidRequest", "ReqState", "RequestLimits",
+           "TokenizerManager", "fold"]
 
 log = logging.getLogger(__name__)
-
-
-class DuplicateRequestError(ValueError):
-    pass
-
-
-class InvalidRequest(ValueError):
-    """Bad input, with a message that names the field."""
-
-
-class GenerateInput(msgspec.Struct, forbid_unknown_fields=True):
-    """One generation request, SGLang's GenerateReqInput shape: single or batch."""
-
-    text: str | list[str] | None = None
-    input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
-    messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
-    sampling_params: SamplingParams | list[SamplingParams] | None = None
-    rid: str | list[str] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -86,12 +74,13 @@ class Chunk:
 
 @dataclass(eq=False)
 class ReqState:
-    """One sub-request. Downstream it is known as ``wire_rid`` (rid and epoch), so
-    outputs still on their way from an incarnation that a resume replaced are
-    recognised and ignored: no duplicate, no gap."""
+    """One sub-request. Downstream it is known as ``wire_rid`` (rid, tokenizer worker
+    and epoch: unique across workers), so outputs still on their way from an
+    incarnation that a resume replaced are recognised and ignored: no duplicate, no gap."""
 
     rid: str
     index: int
+    worker: int
     prompt_ids: list[int]
     sampling: SamplingParams  # seed fixed: a resume samples the same
     stream: bool
@@ -103,34 +92,52 @@ class ReqState:
     finished: FinishReason | None = None
     pending: list[Chunk] = field(default_factory=list)
     epoch: int = 0  # incarnations downstream: each resume starts a new one
+    submitted: bool = False  # sent downstream at least once (a batch is sent one by one)
+    crashes: int = 0  # crashes downstream while it was in flight
+    produced: trio.Event = field(default_factory=trio.Event)  # output since the last (re)submission
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
 
     @property
     def wire_rid(self) -> str:
-        return f"{self.rid}#{self.epoch}"
+        return f"{self.rid}#{self.worker}.{self.epoch}"
+
+    def end(self, reason: FinishReason) -> None:
+        """Finish here, without waiting for downstream (its outputs are ignored from now)."""
+        self.finished = reason
+        self.pending.append(Chunk(self.index, self.rid, "", [], reason, len(self.prompt_ids),
+                                  len(self.output_ids), 0))
+        self.notify()
 
 
 class TokenizerManager(Actor):
     inbox = TokenizerInbox
 
     def __init__(self, tokenizer: Any, *, scheduler: str, detokenizer: str | None = None, worker: int = 0,
-                 watchdog_timeout: float = 300.0,
+                 watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
+                 quarantine_after: int = 2,
                  on_stall: Callable[[WatchdogTimeout], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.worker = worker
+        self.limits = limits
+        self.quarantine_after = quarantine_after
         self.rid_to_state: dict[str, ReqState] = {}
         self._by_wire_rid: dict[str, ReqState] = {}
         self.resumed = 0
+        self.quarantined = 0
         self.on_stall = on_stall
         self.on_status = on_status  # a tokenizer worker: news of the runtime from the main process
         self.watchdog = SoftWatchdog("tokenizer manager receive", watchdog_timeout,
                                      busy=lambda: bool(self.rid_to_state), on_fire=self._stalled)
-        self._ids = itertools.count()
+        self._expander: Expander | None = None  # built once the context window is known
+        self._probation: trio.CancelScope | None = None
+        self._on_trial: ReqState | None = None
+        self._no_probation = trio.Event()
+        self._no_probation.set()
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -158,17 +165,17 @@ class TokenizerManager(Actor):
             state = self._by_wire_rid.get(wire_rid)
             if state is None or state.finished is not None:
                 continue  # gone (its caller left), or an incarnation a resume replaced
-            rid = state.rid
             ids, text = out.new_token_ids[i], out.texts[i]
             state.text += text
             state.output_ids.extend(ids)
             state.finished = out.finished[i]
+            state.produced.set()
             if ids and state.first_token_at is None:
                 state.first_token_at = now
             if ids:
                 state.last_token_at = now
             state.pending.append(Chunk(
-                state.index, rid, text, ids, out.finished[i], out.prompt_tokens[i],
+                state.index, state.rid, text, ids, out.finished[i], out.prompt_tokens[i],
                 out.completion_tokens[i], out.cached_tokens[i],
                 out.logprobs[i] if out.logprobs else [],
                 out.top_logprobs[i] if out.top_logprobs else [],
@@ -177,67 +184,29 @@ class TokenizerManager(Actor):
 
     # -- the API -----------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+    async def expander(self) -> Expander:
+        """Built on first use, with the context window the scheduler reports."""
+        if self._expander is None:
+            try:
+                info = await self.call_scheduler(ServerInfoReq(), timeout=10.0)
+            except CallError:  # restarting: check this request without it, ask again next time
+                return Expander(self.tokenizer, self.limits)
+            limits = RequestLimits(self.limits.max_batch_size, self.limits.max_stop_strings,
+                                   self.limits.max_stop_length, int(info["max_context_len"]))
+            self._expander = Expander(self.tokenizer, limits)
+        return self._expander
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # a template error is the request's fault
-            raise InvalidRequest(f"messages: cannot apply the chat template: {exc}") from None
-        return self.tokenize(rendered)
-
-    def expand(self, obj: GenerateInput) -> list[tuple[str, list[int], SamplingParams]]:
-        """The sub-requests of ``obj``: (rid, prompt ids, sampling) per prompt × n."""
-        prompts = self._prompts(obj)
-        params = obj.sampling_params
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise InvalidRequest(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        else:
-            params = [params or SamplingParams()] * len(prompts)
-        rids = obj.rid
-        if isinstance(rids, str):
-            rids = [rids] if len(prompts) == 1 else [f"{rids}-{i}" for i in range(len(prompts))]
-        elif rids is None:
-            rids = [uuid.uuid4().hex for _ in prompts]
-        if len(rids) != len(prompts):
-            raise InvalidRequest(f"rid: {len(rids)} given for {len(prompts)} prompts")
-        subs = []
-        for rid, ids, p in zip(rids, prompts, params):
-            if (problem := p.check()) is not None:
-                raise InvalidRequest(f"sampling_params: {problem}")
-            for k in range(p.n):
-                seed = p.seed + k if p.seed is not None else (random_seed() if p.temperature > 0 else None)
-                sub_rid = rid if p.n == 1 else f"{rid}-{k}"
-                subs.append((sub_rid, ids, msgspec.structs.replace(p, seed=seed, n=1)))
-        return subs
-
-    def _prompts(self, obj: GenerateInput) -> list[list[int]]:
-        given = [x for x in (obj.text, obj.input_ids, obj.messages) if x is not None]
-        if len(given) != 1:
-            raise InvalidRequest("give exactly one of text, input_ids or messages")
-        if obj.messages is not None:
-            return [self.apply_chat_template(obj.messages)]
-        if obj.text is not None:
-            texts = [obj.text] if isinstance(obj.text, str) else obj.text
-            return [self.tokenize(t) for t in texts]
-        ids = obj.input_ids
-        batch = ids if ids and isinstance(ids[0], list) else [ids]
-        if any(not isinstance(p, list) for p in batch) or any(isinstance(t, list) for p in batch for t in p):
-            raise InvalidRequest("input_ids: give a list of token ids, or a list of such lists")
-        vocab = len(self.tokenizer)
-        for prompt in batch:
-            if not prompt:
-                raise InvalidRequest("input_ids: a prompt is empty")
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"input_ids: token id {bad} is outside the vocabulary (size {vocab})")
-        return [list(p) for p in batch]
+    async def expand(self, obj: GenerateInput) -> list[SubRequest]:
+        """Tokenize and check ``obj``; a large input is tokenized in a worker thread,
+        so it never stalls the other requests' streams."""
+        expander = await self.expander()
+        if Expander.is_large(obj):
+            return await trio.to_thread.run_sync(expander.expand, obj)
+        return expander.expand(obj)
 
     async def generate(self, obj: GenerateInput) -> AsyncIterator[Chunk]:
-        subs = self.expand(obj)
-        rids = [rid for rid, _, _ in subs]
+        subs = await self.expand(obj)
+        rids = [sub.rid for sub in subs]
         duplicates = sorted({r for r in rids if r in self.rid_to_state or rids.count(r) > 1})
         if duplicates:
             raise DuplicateRequestError(f"rid: duplicate request id(s) {duplicates}")
@@ -247,15 +216,18 @@ class TokenizerManager(Actor):
             arrived.set()
 
         states = [
-            ReqState(rid, index, ids, sampling, obj.stream, obj.return_logprob, obj.top_logprobs_num, notify)
-            for index, (rid, ids, sampling) in enumerate(subs)
+            ReqState(sub.rid, index, self.worker, sub.prompt_ids, sub.sampling, obj.stream, obj.return_logprob,
+                     obj.top_logprobs_num, notify)
+            for index, sub in enumerate(subs)
         ]
         for state in states:
             self.rid_to_state[state.rid] = state
             self._by_wire_rid[state.wire_rid] = state
         try:
             for state in states:
-                await self._submit(state)
+                await self._no_probation.wait()  # while requests are on probation, new ones wait
+                if state.finished is None and not state.submitted:  # (a resume may have sent it)
+                    await self._submit(state)
             unfinished = len(states)
             while unfinished:
                 await arrived.wait()
@@ -270,7 +242,8 @@ class TokenizerManager(Actor):
                 for state in states:
                     if state.finished is None:
                         state.finished = FinishReason("abort", message="the client went away")
-                        await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, "the client went away"))
+                        if state.submitted:
+                            await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, "the client went away"))
             for state in states:
                 del self.rid_to_state[state.rid]
                 del self._by_wire_rid[state.wire_rid]
@@ -282,6 +255,8 @@ class TokenizerManager(Actor):
             del self._by_wire_rid[replaces]
             state.epoch += 1
             self._by_wire_rid[state.wire_rid] = state
+        state.submitted = True
+        state.produced = trio.Event()
         ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
         await self.ctx.send(self.scheduler, GenerateReq(
             state.wire_rid, ids, state.sampling, state.stream, state.return_logprob,
@@ -291,7 +266,8 @@ class TokenizerManager(Actor):
     async def abort(self, rid: str, message: str = "aborted by request") -> bool:
         """Abort a request by id; False when no such request is in flight.
 
-        A request of another tokenizer worker is aborted by the scheduler,
+        It ends here at once, so a resume (the scheduler restarting) cannot bring
+        it back. A request of another tokenizer worker is aborted by the scheduler,
         which knows every request; its owner then sees it end."""
         state = self.rid_to_state.get(rid)
         if state is None:
@@ -299,31 +275,78 @@ class TokenizerManager(Actor):
                 return bool(await self.call_scheduler(AbortWhere(rid=rid, message=message), timeout=5.0))
             except CallError:
                 return False
-        await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
+        if state.finished is not None:
+            return False
+        state.end(FinishReason("abort", message=message))
+        if state.submitted:
+            await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
         return True
 
-    async def resubmit_in_flight(self) -> int:
-        """After a restart downstream: continue every unfinished request from what it has."""
-        count = 0
-        for state in list(self.rid_to_state.values()):
-            if state.finished is None:
+    # -- after a restart downstream ------------------------------------------------------
+
+    async def resubmit_in_flight(self, crash: str = "a restart downstream") -> int:
+        """Continue every unfinished request from what it has (``crash``: what happened,
+        for the error of a request that is not resumed again)."""
+        culprit = self._on_trial
+        if self._probation is not None:
+            self._probation.cancel()
+            self._probation, self._on_trial = None, None
+        in_flight = [s for s in self.rid_to_state.values() if s.finished is None and s.submitted]
+        if culprit is not None and culprit.finished is None:  # it crashed what ran it, alone
+            culprit.crashes += 1
+            self._quarantine(culprit, crash)
+            in_flight.remove(culprit)
+        elif culprit is None:
+            for state in in_flight:
+                state.crashes += 1
+        suspects = [s for s in in_flight if s.crashes >= self.quarantine_after and not s.produced.is_set()]
+        if not suspects:
+            self._no_probation.set()
+            for state in in_flight:
                 await self._submit(state, resume=True)
-                count += 1
-        self.resumed += count
-        if count:
-            log.warning("resumed %d requests in flight", count)
-        return count
+        else:
+            for state in in_flight:  # those that produced output since their last submission go on at once
+                if state not in suspects:
+                    await self._submit(state, resume=True)
+            self._no_probation = trio.Event()
+            self._probation = trio.CancelScope()
+            self.ctx.nursery.start_soon(self._run_probation, suspects, self._probation)
+            log.warning("%d requests were in flight for %d crashes in a row: resuming them one at a time",
+                        len(suspects), self.quarantine_after)
+        self.resumed += len(in_flight)
+        if in_flight:
+            log.warning("resumed %d requests in flight", len(in_flight))
+        return len(in_flight)
+
+    async def _run_probation(self, suspects: list[ReqState], scope: trio.CancelScope) -> None:
+        with scope:
+            for state in suspects:
+                if state.finished is not None:
+                    continue
+                self._on_trial = state
+                await self._submit(state, resume=True)
+                await state.produced.wait()
+            self._on_trial = None
+            self._probation = None
+            self._no_probation.set()
+
+    def _quarantine(self, state: ReqState, crash: str) -> None:
+        self.quarantined += 1
+        log.error("request %s crashed the server on probation (%s); it is not resumed again", state.rid, crash)
+        state.end(FinishReason("abort", status_code=500, message=(
+            f"this request was in flight for {state.crashes} crashes in a row and crashed the server when it "
+            f"ran alone ({crash}); it is not resumed again")))
 
     def fail_all(self, message: str, status_code: int = 503) -> int:
         """End every request in flight with an error (the runtime gave up)."""
         count = 0
         for state in self.rid_to_state.values():
             if state.finished is None:
-                state.finished = FinishReason("abort", message=message, status_code=status_code)
-                state.pending.append(Chunk(state.index, state.rid, "", [], state.finished, len(state.prompt_ids),
-                                           len(state.output_ids), 0))
-                state.notify()
+                state.end(FinishReason("abort", message=message, status_code=status_code))
                 count += 1
+        if self._probation is not None:
+            self._probation.cancel()
+        self._no_probation.set()
         return count
 
     async def call_scheduler(self, msg: Any, *, timeout: float = 10.0) -> Any:

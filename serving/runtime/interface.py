@@ -43,6 +43,7 @@ class StatusTracker:
         self.recoveries: list[float] = []
         self.starts: dict[str, int] = {}
         self._crashed_at: dict[str, float] = {}
+        self._crash_cause: dict[str, str] = {}
         self._restarts: dict[str, int] = {}
         self._pids: dict[str, int] = {}
         self._up = trio.Event()
@@ -79,9 +80,10 @@ class StatusTracker:
             self._start_seen = trio.Event()
             await self._start_seen.wait()
 
-    def snapshot(self, *, resume: bool = False, paused: bool = False, updating: bool = False) -> RuntimeStatus:
+    def snapshot(self, *, crash: str | None = None, paused: bool = False, updating: bool = False) -> RuntimeStatus:
+        """The status as a message; ``crash``: resume the requests in flight after it."""
         return RuntimeStatus(
-            scheduler_up=self._up.is_set() and self.scheduler_running(), resume=resume,
+            scheduler_up=self._up.is_set() and self.scheduler_running(), resume=crash is not None, crash=crash,
             failure=None if self.failure is None else str(self.failure), restarts=self.restarts,
             crashes=[(actor, cause, count) for (actor, cause), count in self.crashes.items()],
             recoveries=list(self.recoveries), pids=self.pids(), paused=paused, updating=updating,
@@ -89,10 +91,10 @@ class StatusTracker:
 
     # -- the supervising side ------------------------------------------------------------
 
-    def observe(self, event: SupervisorEvent) -> bool:
-        """Record one supervisor event; True when the requests in flight must be
-        resumed (a scheduler or detokenizer is back after a crash). Escalation is
-        the runtime's to handle: it fails (``fail``)."""
+    def observe(self, event: SupervisorEvent) -> str | None:
+        """Record one supervisor event. When the requests in flight must be resumed
+        (a scheduler or detokenizer is back after a crash), what crashed and why;
+        else None. Escalation is the runtime's to handle: it fails (``fail``)."""
         if event.child == "scheduler":
             if event.kind in ("crashed", "exited", "restarting") and self._up.is_set():
                 self._up = trio.Event()
@@ -100,16 +102,18 @@ class StatusTracker:
                 self._up.set()
         if event.kind == "crashed":
             self._crashed_at[event.child] = trio.current_time()
+            self._crash_cause[event.child] = f"the {event.child} crashed: {event.reason!r}"
             key = (event.child, type(event.reason).__name__)
             self.crashes[key] = self.crashes.get(key, 0) + 1
         if event.kind != "started":
-            return False
+            return None
         self.starts[event.child] = self.starts.get(event.child, 0) + 1
         self._start_seen.set()
         if event.child not in self._crashed_at:
-            return False
+            return None
         self.recoveries.append(trio.current_time() - self._crashed_at.pop(event.child))
-        return event.child in RESUMING
+        cause = self._crash_cause.pop(event.child)
+        return cause if event.child in RESUMING else None
 
     def fail(self, failure: BaseException) -> bool:
         """The runtime is beyond repair; False if it had already failed."""
@@ -186,12 +190,14 @@ class Gate:
                 self._no_readers.set()
 
     @asynccontextmanager
-    async def writing(self) -> AsyncIterator[None]:
-        """Hold new requests back and wait for those in flight to finish."""
+    async def writing(self, drain_timeout: float) -> AsyncIterator[None]:
+        """Hold new requests back and wait (at most ``drain_timeout`` s, else
+        ``trio.TooSlowError`` with the gate open again) for those in flight to finish."""
         async with self._writer:
             self._writer_done = trio.Event()
             try:
-                await self._no_readers.wait()
+                with trio.fail_after(drain_timeout):
+                    await self._no_readers.wait()
                 yield
             finally:
                 self._writer_done.set()

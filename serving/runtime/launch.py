@@ -36,7 +36,7 @@ from transports import open_hub
 
 from ..managers.detokenizer import DetokenizerManager
 from ..managers.messages import UpdateWeightsReq
-from ..managers.scheduler import Scheduler
+from ..managers.scheduler import Scheduler, SchedulerConfig
 from ..managers.tokenizer_manager import TokenizerManager
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
 from .topology import Topology, make_tokenizer_manager, tokenizer_source
@@ -48,20 +48,25 @@ log = logging.getLogger(__name__)
 S = TypeVar("S", bound="Supervised")
 
 
-def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any,
-               tokenizer: Any) -> list[ChildSpec]:
+def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any, tokenizer: Any,
+               weights: Callable[[], str | None]) -> list[ChildSpec]:
     """The scheduler and the detokenizer, in start order; ``workers``: the mailboxes
-    of the tokenizer managers the detokenizer sends to."""
+    of the tokenizer managers the detokenizer sends to; ``weights()``: what each
+    start of the scheduler loads (the weights an update made current)."""
     grace = topology.supervision.shutdown_grace
-    config = topology.scheduler_config(addresses["detokenizer"])
+    base = topology.scheduler_config(addresses["detokenizer"])
     sched, detok = topology.actors.scheduler, topology.actors.detokenizer
+
+    def config() -> SchedulerConfig:
+        return msgspec.structs.replace(base, model=weights())
+
     if sched.process == "child":
         scheduler = lambda: ProcessChild(  # noqa: E731
             sched.target or "serving.managers.scheduler:scheduler_child",
-            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config), **sched.args},
+            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
             name="scheduler", kill_after=grace)
     else:
-        scheduler = lambda: ActorChild(lambda: Scheduler(config), addresses["scheduler"], hub)  # noqa: E731
+        scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
     if detok.process == "child":
         args = {"address": addresses["detokenizer"], "tokenizer": tokenizer_source(topology.model),
                 "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
@@ -95,6 +100,7 @@ class Supervised:
         self.topology = topology
         self.tokenizer = tokenizer
         self.addresses = topology.addresses(runtime_dir)
+        self.weights = topology.model.path  # the weights serving now: a restarted scheduler loads them
 
     async def supervise(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the supervisor; ready once every child started. A start that fails raises;
@@ -121,9 +127,10 @@ class Supervised:
             s = self.topology.supervision
             self.fail(RestartIntensityExceeded(event.supervisor, s.max_restarts, s.within, event.reason))
             return
-        self._changed(event, resume=self.status.observe(event))
+        self._changed(event, crash=self.status.observe(event))
 
-    def _changed(self, event: SupervisorEvent, *, resume: bool) -> None:
+    def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
+        """After an event; ``crash``: a scheduler or detokenizer is back after it (resume)."""
         raise NotImplementedError
 
     def _failed(self, failure: BaseException) -> None:
@@ -158,7 +165,8 @@ class LocalRuntime(Supervised):
         grace = topology.supervision.shutdown_grace
         tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
             self._tm.build, self.addresses["tokenizer"], hub), shutdown=grace)
-        specs = core_specs(topology, self.addresses, [self.addresses["tokenizer"]], hub, tokenizer)
+        specs = core_specs(topology, self.addresses, [self.addresses["tokenizer"]], hub, tokenizer,
+                           lambda: self.weights)
         self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
         self.status = StatusTracker(self.supervisor)
 
@@ -170,14 +178,22 @@ class LocalRuntime(Supervised):
         self.gate.set_closed(paused)
 
     async def update_weights(self, path: str) -> dict[str, Any]:
-        async with self.gate.writing():  # requests in flight finish on the old weights
-            return await self.tokenizer_manager.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+        timeout = self.topology.server.weights_drain_timeout
+        try:
+            async with self.gate.writing(timeout):  # requests in flight finish on the old weights
+                result = await self.tokenizer_manager.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+        except trio.TooSlowError:
+            return {"success": False, "status": 409,
+                    "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
+        if result["success"]:
+            self.weights = path  # a restarted scheduler loads these
+        return result
 
-    def _changed(self, event: SupervisorEvent, *, resume: bool) -> None:
-        if resume and self._tm.started:
+    def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
+        if crash is not None and self._tm.started:
             tm = self._tm.current
             tm.watchdog.feed()  # the restarted child gets a full timeout
-            self._nursery.start_soon(tm.resubmit_in_flight)
+            self._nursery.start_soon(tm.resubmit_in_flight, crash)
 
     def _failed(self, failure: BaseException) -> None:
         if self._tm.started:

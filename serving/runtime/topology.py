@@ -22,7 +22,7 @@ from actors import WatchdogTimeout
 
 from ..managers.messages import RuntimeStatus
 from ..managers.scheduler import SchedulerConfig
-from ..managers.tokenizer_manager import TokenizerManager
+from ..managers.tokenizer_manager import RequestLimits, TokenizerManager
 
 __all__ = ["Topology", "TopologyError", "load_topology", "make_tokenizer_manager", "parse_size",
            "tokenizer_source"]
@@ -46,9 +46,18 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True):
 class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # every route but /health needs it
+    admin_api_key: str | None = None  # the admin routes need it (not the api_key) when set
     workers: int = 1  # tokenizer/HTTP worker processes
-    request_wait: float = 60.0  # how long a new request waits for a restarting scheduler
+    request_wait: float = 60.0  # how long a new request waits for a restarting scheduler or a pause
+    # bounds on what one request may ask
+    max_request_bytes: int | str = "32MiB"  # a larger body is refused with 413, unread
+    max_batch_size: int = 256  # prompts in one /generate
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters
+    # /update_weights_from_disk: paths under the model's own directory or one of these only
+    weights_roots: list[str] = []
+    weights_drain_timeout: float = 60.0  # requests in flight must finish within this, else 409
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -68,6 +77,7 @@ class SupervisionSection(msgspec.Struct, forbid_unknown_fields=True):
     backoff_initial: float = 0.0
     backoff_max: float = 5.0
     shutdown_grace: float = 10.0
+    quarantine_after: int = 2  # crashes in flight in a row before requests resume on probation
 
 
 class WatchdogSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -104,12 +114,20 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.scheduler.max_running_requests >= 1, "scheduler.max_running_requests", "must be >= 1"),
             (self.scheduler.chunked_prefill_size >= 1, "scheduler.chunked_prefill_size", "must be >= 1"),
             (self.supervision.max_restarts >= 0, "supervision.max_restarts", "must be >= 0"),
+            (self.supervision.quarantine_after >= 1, "supervision.quarantine_after", "must be >= 1"),
+            (1 <= self.server.max_batch_size <= 65536, "server.max_batch_size", "must be in 1..65536"),
+            (0 <= self.server.max_stop_strings <= 1024, "server.max_stop_strings", "must be in 0..1024"),
+            (1 <= self.server.max_stop_length <= 65536, "server.max_stop_length", "must be in 1..65536"),
+            (self.server.weights_drain_timeout > 0, "server.weights_drain_timeout", "must be > 0"),
+            (self.server.request_wait > 0, "server.request_wait", "must be > 0"),
             (self.watchdogs.step_timeout > 0, "watchdogs.step_timeout", "must be > 0"),
         ]
         for ok, where, what in problems:
             if not ok:
                 raise TopologyError(f"{where}: {what}")
         parse_size(self.scheduler.kv_budget, "scheduler.kv_budget")
+        if parse_size(self.server.max_request_bytes, "server.max_request_bytes") < 1024:
+            raise TopologyError("server.max_request_bytes: must be at least 1KiB")
         for name in ("scheduler", "detokenizer", "tokenizer"):
             placement = getattr(self.actors, name)
             if not re.fullmatch(r"(inproc|ipc|tcp)://.+", placement.address):
@@ -247,6 +265,9 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
                            on_stall: Callable[[WatchdogTimeout], None] | None = None,
                            on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> TokenizerManager:
     """The tokenizer manager (of tokenizer worker ``worker``) that ``topology`` describes."""
+    server = topology.server
+    limits = RequestLimits(server.max_batch_size, server.max_stop_strings, server.max_stop_length)
     return TokenizerManager(tokenizer, scheduler=addresses["scheduler"], detokenizer=addresses["detokenizer"],
-                            worker=worker, watchdog_timeout=topology.watchdogs.output_timeout,
+                            worker=worker, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
+                            quarantine_after=topology.supervision.quarantine_after,
                             on_stall=on_stall, on_status=on_status)

@@ -80,7 +80,7 @@ class WorkerPool(Supervised):
         self._listen_fd = listen_fd
         self._coordinator: ActorChild | None = None
         grace = topology.supervision.shutdown_grace
-        specs = core_specs(topology, self.addresses, self.worker_addresses, hub, tokenizer)
+        specs = core_specs(topology, self.addresses, self.worker_addresses, hub, tokenizer, lambda: self.weights)
         specs.append(ChildSpec("control", self._start_coordinator, shutdown=grace))
         specs += [ChildSpec(f"worker-{i}", self._worker_starter(i), shutdown=grace)
                   for i in range(len(self.worker_addresses))]
@@ -97,10 +97,10 @@ class WorkerPool(Supervised):
 
     # -- the gates, server-wide ----------------------------------------------------------
 
-    def publish(self, *, resume: bool = False) -> None:
-        """Tell every worker how things stand."""
+    def publish(self, *, crash: str | None = None) -> None:
+        """Tell every worker how things stand (``crash``: and to resume their requests after it)."""
         if self.status.failure is None:
-            self.broadcaster.publish(self.status.snapshot(resume=resume, paused=self.paused,
+            self.broadcaster.publish(self.status.snapshot(crash=crash, paused=self.paused,
                                                           updating=self.updating))
 
     def set_paused(self, paused: bool) -> None:
@@ -144,8 +144,8 @@ class WorkerPool(Supervised):
 
     # -- events ----------------------------------------------------------------------------
 
-    def _changed(self, event: SupervisorEvent, *, resume: bool) -> None:
-        self.publish(resume=resume)  # the workers hear of every event
+    def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
+        self.publish(crash=crash)  # the workers hear of every event
 
     def _failed(self, failure: BaseException) -> None:
         log.critical("runtime failed (%r); the tokenizer workers end their requests", failure)
@@ -174,8 +174,8 @@ class Coordinator(Actor):
             case SetPaused(paused):
                 self.pool.set_paused(paused)
                 return paused
-            case UpdateWeightsAll(path, timeout):
-                return await self._update_weights(path, timeout)
+            case UpdateWeightsAll(path):
+                return await self._update_weights(path, self.pool.topology.server.weights_drain_timeout)
         return None
 
     async def _update_weights(self, path: str, timeout: float) -> dict[str, Any]:
@@ -189,11 +189,14 @@ class Coordinator(Actor):
                 while True:
                     info = await self.ctx.call(self.scheduler, ServerInfoReq(), timeout=10.0)
                     if info["waiting"] == 0 and info["running"] == 0:
-                        result = await self.ctx.call(self.scheduler, UpdateWeightsReq(path), timeout=timeout)
+                        result = await self.ctx.call(self.scheduler, UpdateWeightsReq(path), timeout=600.0)
+                        if result["success"]:
+                            self.pool.weights = path  # a restarted scheduler loads these
                         if result["success"] or "in flight" not in result["message"]:
                             return result
                     await trio.sleep(0.05)  # draining: poll the scheduler's queues
-            return {"success": False, "message": f"requests still in flight after {timeout:g} s"}
+            return {"success": False, "status": 409,
+                    "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
         except CallError as exc:
             return {"success": False, "message": f"the scheduler did not answer: {exc}"}
         finally:

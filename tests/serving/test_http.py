@@ -1,6 +1,7 @@
 """The HTTP server through real HTTP on loopback (tiny model, one process)."""
 
 import json
+from functools import partial
 
 import httpx
 import pytest
@@ -133,10 +134,10 @@ BAD = [
     ("/generate", {"text": "x", "input_ids": [1]}, None),
     ("/generate", {"input_ids": [[1], 2]}, "input_ids"),
     ("/generate", {"input_ids": [99999999]}, "input_ids"),
-    ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params"),
+    ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_token": 3}}, "sampling_params"),
-    ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "sampling_params"),
-    ("/generate", {"text": "x", "sampling_params": {"stop": [""]}}, "sampling_params"),
+    ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ("/generate", {"text": "x", "sampling_params": {"stop": [""]}}, "sampling_params.stop[0]"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": ["a", 1]}, "prompt"),
@@ -170,10 +171,22 @@ async def test_unknown_model_route_and_method(server):
     assert (await server.get("/generate")).status_code == 405
 
 
+LONG = {"max_new_tokens": 4000, "ignore_eos": True}  # seconds of decoding: far longer than the checks
+
+
+async def assert_aborted_downstream(server, tm, aborted_before):
+    """The request is gone from the tokenizer manager and the scheduler, ended by an abort
+    (not by running out its tokens: ``aborted`` counts the scheduler's aborts)."""
+    with trio.fail_after(10):
+        while tm.rid_to_state or (info := (await server.get("/server_info")).json())["running"]:
+            await trio.sleep(0.01)
+    assert info["aborted"] == aborted_before + 1, info
+
+
 async def test_client_disconnect_mid_stream_frees_the_request(server):
     tm = server.app.state.server.runtime.tokenizer_manager
-    body = json.dumps({"text": "x", "stream": True,
-                       "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}).encode()
+    aborted = (await server.get("/server_info")).json()["aborted"]
+    body = json.dumps({"text": "x", "stream": True, "sampling_params": LONG}).encode()
     host, port = server.base_url.host, server.base_url.port
     stream = await trio.open_tcp_stream(host, port)
     await stream.send_all(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -183,30 +196,43 @@ async def test_client_disconnect_mid_stream_frees_the_request(server):
         received += await stream.receive_some()
     assert received.startswith(b"HTTP/1.1 200") and len(tm.rid_to_state) == 1
     await stream.aclose()  # the client goes away mid-stream
-    with trio.fail_after(10):
-        while tm.rid_to_state or (await server.get("/server_info")).json()["running"]:
-            await trio.sleep(0.01)
+    await assert_aborted_downstream(server, tm, aborted)
 
 
 async def test_client_disconnect_while_waiting_non_streaming(server):
     tm = server.app.state.server.runtime.tokenizer_manager
-    with trio.move_on_after(1.0):
-        await server.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 100000,
-                                                                              "ignore_eos": True}})
-    with trio.fail_after(10):
-        while tm.rid_to_state or (await server.get("/server_info")).json()["running"]:
+    aborted = (await server.get("/server_info")).json()["aborted"]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(server.post, "/generate", json={"text": "x", "sampling_params": LONG}))
+        while not tm.rid_to_state:  # it is in flight; the client then goes away
             await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    await assert_aborted_downstream(server, tm, aborted)
 
 
-async def test_api_key(nursery):
-    url, _ = await start_server(nursery, **{"server.api_key": "sesame"})
+async def test_api_key_on_every_route_and_admin_key_on_admin_routes(nursery):
+    from serving.http.app import ADMIN, ROUTES, UNPROTECTED
+
+    url, _ = await start_server(nursery, **{"server.api_key": "sesame", "server.admin_api_key": "open-up"})
+    user, admin = {"Authorization": "Bearer sesame"}, {"Authorization": "Bearer open-up"}
+    wrong = [None, {"Authorization": "Bearer sesame2"}, {"Authorization": "Bearer sesam"},
+             {"Authorization": "sesame"}, {"Authorization": "Basic sesame"}]
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         assert (await client.get("/health")).status_code == 200
-        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                              headers={"Authorization": "Bearer sesame"})
+        for path, _, methods in ROUTES:
+            if path in UNPROTECTED:
+                continue
+            right, other = (admin, user) if path in ADMIN else (user, admin)
+            for headers in [*wrong, other]:
+                r = await client.request(methods[0], path, headers=headers)
+                assert r.status_code == 401, (path, headers, r.status_code)
+                assert r.json()["error"]["type"] == "authentication_error"
+            r = await client.request(methods[0], path, headers=right)  # past the key: whatever the route says
+            assert r.status_code != 401, (path, r.text)
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=user)
         assert r.status_code == 200
+        info = (await client.get("/server_info", headers=admin)).text
+        assert "sesame" not in info and "open-up" not in info  # the keys are never shown
 
 
 async def test_overload_is_503_with_retry_after(nursery):

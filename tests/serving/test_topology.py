@@ -90,7 +90,12 @@ async def test_device_and_context_length_reach_the_scheduler_and_v1_models(nurse
         model = (await client.get("/v1/models")).json()["data"][0]
         assert model["max_model_len"] == capacity
         r = await client.post("/generate", json={"input_ids": [5] * capacity, "sampling_params": {"max_new_tokens": 1}})
-        assert r.status_code == 400 and f"at most {capacity - 1}" in r.json()["error"]["message"]
+        assert r.status_code == 400 and f"the context window is {capacity} tokens" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "sampling_params.max_new_tokens"
+        r = await client.post("/v1/completions", json={"prompt": [5] * (capacity - 2), "max_tokens": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        r = await client.post("/v1/completions", json={"prompt": [5] * (capacity - 2), "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_missing_file_lists_the_shipped_ones():

@@ -18,7 +18,7 @@ from serving.runtime.topology import TopologyError, load_topology
 from ..conftest import free_tcp_port
 from .test_http import assert_held_until_continued
 from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, runner  # noqa: F401 - fixtures
-from .test_update_weights import GREEDY, model_dirs  # noqa: F401 - a fixture
+from .test_update_weights import GREEDY, model_dirs, serving_a  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,7 +85,7 @@ def test_workers_need_ipc_or_tcp_links(tmp_path):
 
 
 async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, model_dirs):
-    url, pool = await start_workers(nursery, **{"model.path": model_dirs["a"], "model.dtype": "float32"})
+    url, pool = await start_workers(nursery, **serving_a(model_dirs))
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=3)
         clients = {worker: pinned[worker][0] for worker in pinned}
@@ -123,7 +123,7 @@ async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, m
 
         # /abort_request that lands on the other worker still aborts the request
         body = {"input_ids": [9, 10], "rid": "far-away", "stream": True,
-                "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
         async with trio.open_nursery() as inner:
             ended = {}
 
@@ -177,7 +177,7 @@ async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nurs
         pinned = await pinned_clients(stack, url, per_worker=3)
         clients = {worker: pinned[worker][0] for worker in pinned}
         doomed = {"input_ids": [3, 4, 5], "stream": True,
-                  "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+                  "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
         survivor = {"input_ids": [7, 8, 9], "stream": True,
                     "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
         cut, completed = [], []
@@ -267,7 +267,7 @@ async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(n
 
         async def long_request(worker, k):
             body = {"input_ids": [5, 6, 7], "stream": k == 0,
-                    "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+                    "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
             async with pinned[worker][k].stream("POST", "/generate", json=body) as r:
                 text = ""
                 async for piece in r.aiter_text():  # read to the end

@@ -1,0 +1,169 @@
+"""What a generation request may ask, and how it becomes sub-requests.
+
+``GenerateInput`` is SGLang's ``GenerateReqInput`` shape (one prompt or a
+batch; text, token ids or chat messages), with bounded fields so msgspec
+refuses an out-of-range value while decoding. ``Expander`` turns one into
+sub-requests — tokenized, one per prompt and sample — and checks what the
+types cannot: the server's limits (``RequestLimits``), the vocabulary and
+the context window. Every refusal is an ``InvalidRequest`` whose message
+starts with the field it is about.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+
+from models.sampling import random_seed
+
+from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
+
+__all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest"]
+
+
+class InvalidRequest(ValueError):
+    """Bad input, with a message that starts with the field it names (``field: why``)."""
+
+
+class DuplicateRequestError(InvalidRequest):
+    """A request id that is already in flight."""
+
+
+Prompt = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+
+
+class GenerateInput(msgspec.Struct, forbid_unknown_fields=True):
+    """One generation request, SGLang's GenerateReqInput shape: single or batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[TokenId | Prompt] | None = None  # one prompt, or a batch of prompts
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: RequestId | list[RequestId] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobs = 0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server's bounds on one request (``server.*`` in the topology)."""
+
+    max_batch_size: int = 256  # prompts in one /generate (each n times)
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters of one stop string
+    context_len: int | None = None  # prompt + max_new_tokens; None: the scheduler's own check only
+
+
+@dataclass
+class SubRequest:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams  # n = 1, seed fixed (a resume samples the same)
+
+
+# above this many characters of prompt text, tokenizing runs in a worker thread
+LARGE_INPUT_CHARS = 16_384
+
+
+class Expander:
+    """Sub-requests of a ``GenerateInput``; ``expand`` is synchronous (run it in a thread for big inputs)."""
+
+    def __init__(self, tokenizer: Any, limits: RequestLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.vocab = len(tokenizer)
+
+    @staticmethod
+    def is_large(obj: GenerateInput) -> bool:
+        texts = [obj.text] if isinstance(obj.text, str) else (obj.text or [])
+        size = sum(len(t) for t in texts)
+        size += sum(len(str(m.get("content", ""))) for m in obj.messages or [])
+        return size > LARGE_INPUT_CHARS or len(obj.input_ids or ()) > LARGE_INPUT_CHARS
+
+    def expand(self, obj: GenerateInput) -> list[SubRequest]:
+        """The sub-requests of ``obj``: one per prompt × n."""
+        prompts = self._prompts(obj)
+        if len(prompts) > self.limits.max_batch_size:
+            raise InvalidRequest(f"text: {len(prompts)} prompts in one request; at most {self.limits.max_batch_size}")
+        params = obj.sampling_params
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise InvalidRequest(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        rids = obj.rid
+        if isinstance(rids, str):
+            rids = [rids] if len(prompts) == 1 else [f"{rids}-{i}" for i in range(len(prompts))]
+        elif rids is None:
+            rids = [uuid.uuid4().hex for _ in prompts]
+        if len(rids) != len(prompts):
+            raise InvalidRequest(f"rid: {len(rids)} given for {len(prompts)} prompts")
+        subs = []
+        for rid, ids, p in zip(rids, prompts, params):
+            if p.max_new_tokens is None:  # up to the context window
+                p = msgspec.structs.replace(p, max_new_tokens=self._room_after(len(ids)))
+            self._check(p, len(ids))
+            for k in range(p.n):
+                seed = p.seed + k if p.seed is not None else (random_seed() if p.temperature > 0 else None)
+                sub_rid = rid if p.n == 1 else f"{rid}-{k}"
+                subs.append(SubRequest(sub_rid, ids, msgspec.structs.replace(p, seed=seed, n=1)))
+        return subs
+
+    def _check(self, p: SamplingParams, prompt_len: int) -> None:
+        if (problem := p.check()) is not None:
+            raise InvalidRequest(f"sampling_params.{problem}")
+        limits = self.limits
+        if len(p.stop) > limits.max_stop_strings:
+            raise InvalidRequest(f"sampling_params.stop: {len(p.stop)} stop strings; at most {limits.max_stop_strings}")
+        if any(len(s) > limits.max_stop_length for s in p.stop):
+            raise InvalidRequest(f"sampling_params.stop: a stop string is longer than {limits.max_stop_length} "
+                                 "characters")
+        if any(t >= self.vocab for t in p.stop_token_ids):
+            raise InvalidRequest(f"sampling_params.stop_token_ids: a token id is outside the vocabulary "
+                                 f"(size {self.vocab})")
+        if limits.context_len is not None and prompt_len + p.max_new_tokens > limits.context_len:
+            raise InvalidRequest(
+                f"sampling_params.max_new_tokens: the prompt has {prompt_len} tokens and {p.max_new_tokens} "
+                f"more were asked for; the context window is {limits.context_len} tokens")
+
+    def _room_after(self, prompt_len: int) -> int:
+        if self.limits.context_len is None:
+            return 2**31 - 1  # the scheduler ends it at the context window ("length")
+        return max(self.limits.context_len - prompt_len, 0)
+
+    def _prompts(self, obj: GenerateInput) -> list[list[int]]:
+        given = [x for x in (obj.text, obj.input_ids, obj.messages) if x is not None]
+        if len(given) != 1:
+            raise InvalidRequest("give exactly one of text, input_ids or messages")
+        if obj.messages is not None:
+            return [self._chat(obj.messages)]
+        if obj.text is not None:
+            texts = [obj.text] if isinstance(obj.text, str) else obj.text
+            if not texts:
+                raise InvalidRequest("text: an empty batch")
+            return [self.tokenize(t) for t in texts]
+        ids = obj.input_ids
+        batch = ids if ids and isinstance(ids[0], list) else [ids]
+        if any(not isinstance(p, list) for p in batch) or any(isinstance(t, list) for p in batch for t in p):
+            raise InvalidRequest("input_ids: give a list of token ids, or a list of such lists")
+        for prompt in batch:
+            if not prompt:
+                raise InvalidRequest("input_ids: a prompt is empty")
+            bad = next((t for t in prompt if t >= self.vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"input_ids: token id {bad} is outside the vocabulary (size {self.vocab})")
+        return [list(p) for p in batch]
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template error is the request's fault
+            raise InvalidRequest(f"messages: cannot apply the chat template: {exc}") from None
+        return self.tokenize(rendered)
