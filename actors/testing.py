@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from transports import Address, Frames, Hub, Sender
+from transports import Address, Frames, Hub, HubOptions, Sender
 
 from .actor import Actor, ActorChild, Caller, Reply
 from .supervisor import ChildSpec, Restart, Supervisor, SupervisorEvent
@@ -114,8 +114,8 @@ class _FaultySender(Sender):
 class _FaultyHub(Hub):
     """A Hub whose senders consult the harness's link faults."""
 
-    def __init__(self, nursery: trio.Nursery) -> None:
-        super().__init__(nursery)
+    def __init__(self, nursery: trio.Nursery, options: HubOptions | None = None) -> None:
+        super().__init__(nursery, options)
         self.links: dict[str, LinkFaults] = {}
 
     async def connect(self, address: Any, **kwargs: Any) -> Sender:
@@ -278,10 +278,11 @@ async def _run_expecting(supervisor: Supervisor, harness: Harness, task_status: 
 
 
 @asynccontextmanager
-async def open_harness() -> AsyncIterator[Harness]:
+async def open_harness(options: HubOptions | None = None) -> AsyncIterator[Harness]:
+    """A harness whose hub has ``options`` (CURVE, bounds; the defaults if None)."""
     # open_hub builds a plain Hub; this one is built the same way, with link faults
     async with trio.open_nursery() as hub_nursery:
-        hub = _FaultyHub(hub_nursery)
+        hub = _FaultyHub(hub_nursery, options)
         try:
             async with trio.open_nursery() as nursery:
                 harness = Harness(hub, nursery)

@@ -3,20 +3,27 @@
 Nothing here knows about language models.
 """
 
-from .base import Address, AddressError, DropCounter, Frames, Receiver, Sender
-from .codec import CodecError, Decoder, Encoder
+from .base import Address, AddressError, DropCounter, Frames, InsecureBindError, Receiver, Sender
+from .codec import DEFAULT_MAX_ARRAY_SIZE, Array, CodecError, Decoder, Encoder
+from .config import DEFAULT_MAX_MESSAGE_BYTES, CurveConfig, HubOptions
 from .hub import DEFAULT_CAPACITY, Hub, open_hub
 
 __all__ = [
     "DEFAULT_CAPACITY",
+    "DEFAULT_MAX_ARRAY_SIZE",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "Address",
     "AddressError",
+    "Array",
     "CodecError",
+    "CurveConfig",
     "Decoder",
     "DropCounter",
     "Encoder",
     "Frames",
     "Hub",
+    "HubOptions",
+    "InsecureBindError",
     "Receiver",
     "Sender",
     "open_hub",

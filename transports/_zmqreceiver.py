@@ -49,9 +49,10 @@ from ._zmqsocket import (
     wait_until_destroyed,
 )
 
-__all__ = ["DRAIN_BATCH", "ZmqReceiver"]
+__all__ = ["DRAIN_BATCH", "MAX_FRAMES", "ZmqReceiver"]
 
 DRAIN_BATCH = 256  # most messages taken from the socket per wake-up of the owner
+MAX_FRAMES = 1 << 16  # most frames of one message (a header and its arrays)
 CLOSE_PATIENCE_S = 2.0  # the longest aclose waits for libzmq to destroy the socket
 PEERS_NOTICE_S = 0.02  # ...and then for peers in this process to see their connection end
 log = logging.getLogger("transports")
@@ -68,8 +69,10 @@ _NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
 
 class ZmqReceiver(Receiver[Any]):
     def __init__(self, address: Address, sock: zmq.Socket, decoder: Decoder, capacity: int,
-                 senders: int | None, forget: Callable[[Any], None], monitor_address: str) -> None:
+                 senders: int | None, forget: Callable[[Any], None], monitor_address: str, *,
+                 max_message_bytes: int) -> None:
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self.dropped = DropCounter(str(address))
         self.finished = trio.Event()  # the owner is done and the socket closed
         self._sock = sock
@@ -160,8 +163,10 @@ class ZmqReceiver(Receiver[Any]):
                 if not is_closed_error(exc):
                     raise trio.BrokenResourceError(f"{self.address}: {exc}") from None
                 break
-            parts = recv_parts(sock)
+            parts = recv_parts(sock, MAX_FRAMES)
             self._unyielded += 1
+            if not self._admit(parts):
+                continue
             if len(parts) == 1 and not len(parts[0]):
                 self._acknowledge(peer)
                 return _END
@@ -254,7 +259,9 @@ class ZmqReceiver(Receiver[Any]):
                 except zmq.Again:
                     break
                 taken += 1
-                item = parts = recv_parts(sock)  # the rest of a message is always there
+                item = parts = recv_parts(sock, MAX_FRAMES)  # the rest of a message is always there
+                if not self._admit(parts):
+                    continue
                 if len(parts) == 1 and not len(parts[0]):
                     # acknowledged at once: everything before it is off the
                     # wire, and a receiver closed before putting it in the
@@ -288,6 +295,16 @@ class ZmqReceiver(Receiver[Any]):
                     await wait_to_retry(sock, fd, zmq.POLLIN)
                 finally:
                     self._owner_on_fd = False
+
+    def _admit(self, parts: list[Any] | None) -> bool:
+        """Count and drop a message over the bounds (one frame is bounded by libzmq)."""
+        if parts is None:
+            self.dropped.drop(CodecError("oversized", f"a message of more than {MAX_FRAMES} frames"))
+            return False
+        if len(parts) > 1 and (size := sum(len(part) for part in parts)) > self.max_message_bytes:
+            self.dropped.drop(CodecError("oversized", f"a message of {size} bytes, more than {self.max_message_bytes}"))
+            return False
+        return True
 
     def _acknowledge(self, peer: bytes) -> None:
         # ROUTER drops a message to a peer that has gone: nothing to wait for

@@ -79,17 +79,22 @@ def send_parts(sock: zmq.Socket, frames: Sequence[Any]) -> None:
     sock.send(frames[last], _NOBLOCK, copy=False)
 
 
-def recv_parts(sock: zmq.Socket) -> list[Any]:
+def recv_parts(sock: zmq.Socket, max_parts: int) -> list[Any] | None:
     """The remaining parts of a message whose first part was just received.
 
     Parts come as ``zmq.Frame`` (no copy); ``Frame.more`` is read instead of
-    ``RCVMORE``, which is several times slower.
+    ``RCVMORE``, which is several times slower. A message of more than
+    ``max_parts`` parts is read to its end and None returned: its parts are
+    not kept.
     """
     frame = sock.recv(_NOBLOCK, copy=False)
     parts = [frame]
     while frame.more:
         frame = sock.recv(_NOBLOCK, copy=False)
-        parts.append(frame)
+        if parts is not None:
+            parts.append(frame)
+            if len(parts) > max_parts:
+                parts = None
     return parts
 
 

@@ -22,6 +22,7 @@ Delivery contract, the same for every scheme:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from collections import Counter
@@ -31,7 +32,7 @@ import trio
 
 from .codec import CodecError
 
-__all__ = ["Address", "AddressError", "DropCounter", "Frames", "Receiver", "Sender"]
+__all__ = ["Address", "AddressError", "DropCounter", "Frames", "InsecureBindError", "Receiver", "Sender"]
 
 T = TypeVar("T")
 log = logging.getLogger("transports")
@@ -39,6 +40,13 @@ log = logging.getLogger("transports")
 
 class AddressError(ValueError):
     """An address that names no transport, or one that is malformed."""
+
+
+class InsecureBindError(AddressError):
+    """A tcp address reachable from other hosts, bound without CURVE (and not explicitly allowed)."""
+
+
+_TCP_REST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:\s\[\]]+):(\d+|\*)")  # host:port, [v6]:port
 
 
 class Address(NamedTuple):
@@ -56,9 +64,31 @@ class Address(NamedTuple):
                 f"bad address {text!r}: expected inproc://NAME, ipc:///PATH or tcp://HOST:PORT"
             )
         address = cls(match[1], match[2])
-        if address.scheme == "tcp" and not re.fullmatch(r"[^:\s]+:(\d+|\*)", address.rest):
-            raise AddressError(f"bad address {text!r}: tcp addresses are tcp://HOST:PORT")
+        if address.scheme == "tcp" and not _TCP_REST.fullmatch(address.rest):
+            raise AddressError(f"bad address {text!r}: tcp addresses are tcp://HOST:PORT or tcp://[IPV6]:PORT")
         return address
+
+    @property
+    def host(self) -> str:
+        """A tcp address's host, without the brackets of an IPv6 literal."""
+        if self.scheme != "tcp":
+            raise AddressError(f"{self} has no host")
+        return self.rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+
+    @property
+    def is_loopback(self) -> bool:
+        """A tcp address only this host can reach: 127.0.0.0/8, ::1 or localhost.
+
+        An interface name (``lo``), ``*`` or any other host name is not
+        loopback here, whatever it resolves to.
+        """
+        host = self.host
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
 
 
 class Frames(tuple):
@@ -66,16 +96,20 @@ class Frames(tuple):
 
 
 class DropCounter:
-    """Counts frames a receiver dropped, by kind; logs the first of each kind."""
+    """Counts what a receiver (or an actor's runtime) dropped, by kind; logs the first of each kind."""
 
     def __init__(self, where: str) -> None:
         self.where = where
         self.counts: Counter[str] = Counter()
 
     def drop(self, error: CodecError) -> None:
-        if not self.counts[error.kind]:
-            log.warning("%s: dropped a %s (further ones are only counted)", self.where, error)
-        self.counts[error.kind] += 1
+        self.count(error.kind, str(error))
+
+    def count(self, kind: str, detail: str) -> None:
+        """One more ``kind`` dropped; ``detail`` says which (logged for the first of its kind)."""
+        if not self.counts[kind]:
+            log.warning("%s: dropped %s (further %s ones are only counted)", self.where, detail, kind)
+        self.counts[kind] += 1
 
     @property
     def total(self) -> int:

@@ -6,11 +6,17 @@ the header), referenced from the header by an extension object. The decoder
 is built once per channel for its union type and rebuilds arrays as read-only
 views of the received frames.
 
+Arrays are bounded: a decoder refuses an array of more than ``max_array_size``
+elements (any field), and a field declared
+``Annotated[np.ndarray, Array(np.int32, ndim=1, max_size=N)]`` admits only
+arrays of that dtype, number of dimensions and size (see ``_arrays``).
+
 No pickle: anything msgspec cannot encode is refused at the sender.
 """
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -19,7 +25,11 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import numpy as np
 
-__all__ = ["CodecError", "Decoder", "Encoder", "check_wire_type"]
+from ._arrays import Array, ArrayMismatch, array_checks
+
+__all__ = ["DEFAULT_MAX_ARRAY_SIZE", "Array", "CodecError", "Decoder", "Encoder", "check_wire_type"]
+
+DEFAULT_MAX_ARRAY_SIZE = 1 << 24  # elements of one array, any dtype (64 MiB of int32)
 
 T = TypeVar("T")
 
@@ -32,8 +42,10 @@ class CodecError(Exception):
     """A frame that cannot become a message of the channel's type.
 
     ``kind`` is one of ``malformed`` (not msgpack), ``truncated``, ``invalid``
-    (well-formed but not a member of the union: unknown tag, wrong field type)
-    and ``buffer`` (an out-of-band frame is missing or does not fit).
+    (well-formed but not a member of the union: unknown tag, wrong field type,
+    an array of the wrong dtype or shape), ``buffer`` (an out-of-band frame is
+    missing or does not fit) and ``oversized`` (an array or a message larger
+    than the receiver admits).
     """
 
     def __init__(self, kind: str, detail: str) -> None:
@@ -69,11 +81,17 @@ class Encoder:
 
 
 class Decoder(Generic[T]):
-    """Decodes frames into messages of one type (usually a tagged union)."""
+    """Decodes frames into messages of one type (usually a tagged union).
 
-    def __init__(self, type_: type[T]) -> None:
+    ``max_array_size``: the most elements of any one array; fields annotated
+    with :class:`Array` are checked further.
+    """
+
+    def __init__(self, type_: type[T], *, max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> None:
         check_wire_type(type_)
         self.type = type_
+        self.max_array_size = max_array_size
+        self._check = array_checks(type_)
         self._frames: Sequence[Any] = ()
         self._decoder = msgspec.msgpack.Decoder(
             type_, ext_hook=self._ext_hook, dec_hook=_dec_hook
@@ -85,7 +103,14 @@ class Decoder(Generic[T]):
             raise CodecError("truncated", "no frames")
         self._frames = frames
         try:
-            return self._decoder.decode(_as_buffer(frames[0]))
+            msg = self._decoder.decode(_as_buffer(frames[0]))
+            if self._check is not None:
+                self._check(msg)
+            return msg
+        except ArrayMismatch as exc:
+            raise CodecError(exc.kind, str(exc)) from None
+        except _Oversized as exc:
+            raise CodecError("oversized", str(exc)) from None
         except msgspec.ValidationError as exc:
             raise CodecError("invalid", str(exc)) from None
         except msgspec.DecodeError as exc:
@@ -98,6 +123,15 @@ class Decoder(Generic[T]):
         finally:
             self._frames = ()
 
+    def check(self, msg: T) -> T:
+        """Apply the Array checks to a message that did not come as frames (inproc)."""
+        if self._check is not None:
+            try:
+                self._check(msg)
+            except ArrayMismatch as exc:
+                raise CodecError(exc.kind, str(exc)) from None
+        return msg
+
     def decode_raw(self, raw: msgspec.Raw, frames: Sequence[Any]) -> T:
         """Decode a ``msgspec.Raw`` taken from an envelope received in ``frames``."""
         return self.decode([raw, *frames[1:]])
@@ -109,6 +143,8 @@ class Decoder(Generic[T]):
             index, dtype, shape = _meta_decoder.decode(data)
             if index < 0 or any(n < 0 for n in shape):
                 raise ValueError(f"bad reference {index} {shape}")
+            if (size := math.prod(shape)) > self.max_array_size:
+                raise _Oversized(f"an array of {size} elements, more than {self.max_array_size}")
             buffer = _as_buffer(self._frames[index + 1])
             array = np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
             array.flags.writeable = False  # a view of the frame, maybe of the sender's array
@@ -118,6 +154,10 @@ class Decoder(Generic[T]):
 
 
 class _BufferError(Exception):
+    pass
+
+
+class _Oversized(Exception):
     pass
 
 

@@ -1,5 +1,9 @@
 """inproc://NAME: trio memory channels inside one Hub; objects pass unencoded.
 
+Unencoded, they are still held to the channel type's array constraints
+(``Array`` fields): an object with an array its field refuses is dropped and
+counted, as a frame would be.
+
 A name is bound by one receiver at a time. Senders look the name up on every
 send, so a receiver that is closed and bound again (an actor restarting) is
 reached by the senders that were already connected, as ZeroMQ reconnects.
@@ -113,13 +117,12 @@ class _InprocReceiver(Receiver):
             if item is _END:
                 self._ends_left -= 1
                 continue
-            if isinstance(item, Frames):
-                try:
+            try:
+                if isinstance(item, Frames):
                     return self._decoder.decode(item)
-                except CodecError as error:
-                    self.dropped.drop(error)
-                    continue
-            return item
+                return self._decoder.check(item)
+            except CodecError as error:
+                self.dropped.drop(error)
 
     async def aclose(self) -> None:
         self._transport._unbind(self.address, self._binding)

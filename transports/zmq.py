@@ -25,13 +25,24 @@ blocks. Nothing is dropped on the way.
 
 Addresses: tcp binds exactly the host given: ``tcp://127.0.0.1:PORT`` is
 loopback only, ``tcp://*:PORT`` listens on every interface (the config
-layer defaults to loopback). Port ``0`` or ``*`` picks a free port;
+layer defaults to loopback), ``tcp://[::1]:PORT`` is IPv6. A tcp address
+that is not loopback (127.0.0.0/8, ::1, localhost) is bound only with CURVE,
+or with ``allow_insecure=True``: otherwise ``bind`` raises InsecureBindError. Port ``0`` or ``*`` picks a free port;
 ``receiver.address`` tells which. Binding an ipc path takes it over, as
 ZeroMQ does (a restarted process rebinding its path). Senders connect before
 or after the receiver binds and reconnect to a receiver bound again.
 
 Optional CURVE (tcp): ``ZmqTransport(..., curve=CurveConfig(...))`` or
 ``curve=`` per bind/connect; see ``_zmqcurve``.
+
+Sizes: every receiving socket has ``ZMQ_MAXMSGSIZE``. libzmq applies it to
+each frame: a peer sending a frame over ``max_message_bytes`` to a receiver
+is disconnected (it reconnects, and what it sends next is delivered). A
+message of many smaller frames is received whole by libzmq before anyone can
+look at it; the receiver then drops it, counted as ``oversized``, when its
+frames add up to more than ``max_message_bytes`` or number more than
+``MAX_FRAMES``. A sender's socket only ever receives empty acknowledgements:
+its bound is ``ACK_MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -43,8 +54,9 @@ from typing import Any
 import trio
 import zmq
 
-from .base import Address, Receiver, Sender
+from .base import Address, InsecureBindError, Receiver, Sender
 from .codec import Decoder
+from .config import DEFAULT_MAX_MESSAGE_BYTES
 from ._zmqcurve import CurveConfig, CurveGuard
 from ._zmqreceiver import ZmqReceiver
 from ._zmqsender import ZmqSender
@@ -57,17 +69,20 @@ __all__ = ["CurveConfig", "ZmqTransport"]
 # the wire queues hold at least this many; the trio channels keep `capacity`.
 MIN_HWM = 64
 REBIND_PATIENCE_S = 1.0  # how long a port freed by this process may take to be free
+ACK_MAX_BYTES = 64 << 10  # a sender's socket receives acknowledgements (empty) and nothing else
 
 
 class ZmqTransport:
     """All ipc (or all tcp) channels of one Hub: one ZeroMQ context."""
 
-    def __init__(self, nursery: trio.Nursery, scheme: str, *,
-                 curve: CurveConfig | None = None) -> None:
+    def __init__(self, nursery: trio.Nursery, scheme: str, *, curve: CurveConfig | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, allow_insecure: bool = False) -> None:
         self.scheme = scheme
         self._nursery = nursery
         self._context = zmq.Context()
         self._curve = curve
+        self._max_message_bytes = max_message_bytes
+        self._allow_insecure = allow_insecure
         self._guard = CurveGuard(self._context)
         self._bound: set[Address] = set()
         self._endpoints: set[ZmqSender | ZmqReceiver] = set()
@@ -77,20 +92,28 @@ class ZmqTransport:
     async def bind(self, address: Address, decoder: Decoder, *, capacity: int,
                    senders: int | None, curve: CurveConfig | None = None) -> Receiver:
         self._check_open()
+        curve = curve or self._curve
+        if address.scheme == "tcp" and curve is None and not self._allow_insecure and not address.is_loopback:
+            raise InsecureBindError(
+                f"refusing to bind {address} without CURVE: any host that reaches it could send"
+                " anything; configure curve, bind a loopback address, or pass allow_insecure=True"
+            )
         if address in self._bound:
             raise OSError(errno.EADDRINUSE, f"{address} is already bound")
-        sock = self._socket(zmq.ROUTER)
+        sock = self._socket(zmq.ROUTER, address)
         try:
             sock.setsockopt(zmq.RCVHWM, max(capacity, MIN_HWM))
-            if curve or self._curve:
-                self._guard.secure_receiver(sock, curve or self._curve)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+            if curve:
+                self._guard.secure_receiver(sock, curve)
             await _bind(sock, address)
             bound = Address.parse(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except BaseException:
             sock.close(linger=0)
             raise
         receiver = ZmqReceiver(bound, sock, decoder, capacity, senders, self._forget,
-                               f"inproc://tercet-monitor-{next(self._monitors)}")
+                               f"inproc://tercet-monitor-{next(self._monitors)}",
+                               max_message_bytes=self._max_message_bytes)
         self._bound.add(bound)
         self._endpoints.add(receiver)
         await self._nursery.start(receiver.run)
@@ -99,9 +122,10 @@ class ZmqTransport:
     async def connect(self, address: Address, *, capacity: int,
                       curve: CurveConfig | None = None) -> Sender:
         self._check_open()
-        sock = self._socket(zmq.DEALER)
+        sock = self._socket(zmq.DEALER, address)
         try:
             sock.setsockopt(zmq.SNDHWM, max(capacity, MIN_HWM))
+            sock.setsockopt(zmq.MAXMSGSIZE, ACK_MAX_BYTES)
             if curve or self._curve:
                 self._guard.secure_sender(sock, curve or self._curve)
             try:
@@ -130,9 +154,11 @@ class ZmqTransport:
         self._guard.close()
         self._context.destroy(linger=0)
 
-    def _socket(self, kind: int) -> zmq.Socket:
+    def _socket(self, kind: int, address: Address) -> zmq.Socket:
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if address.scheme == "tcp" and address.rest.startswith("["):
+            sock.setsockopt(zmq.IPV6, 1)  # libzmq refuses IPv6 literals without it
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         return sock

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 import weakref
-from typing import Any, Union
+from typing import Annotated, Any, Generic, Optional, TypeVar, Union
 
 import msgspec
 import numpy as np
 import pytest
 
+from transports import Array
 from transports.codec import CodecError, Decoder, Encoder, check_wire_type
 
 
@@ -231,7 +232,7 @@ BAD_FRAMES = {
     "oob-size-not-shape": (_oob(_ext(0, "<i4", (3,)), b"12345678"), "buffer", "reshape"),
     "oob-negative-index": (_oob(_ext(-1, "|u1", (2,)), b"12"), "buffer", "bad reference"),
     "oob-negative-shape": (_oob(_ext(0, "|u1", (-1,)), b"12"), "buffer", "bad reference"),
-    "oob-huge-shape": (_oob(_ext(0, "|u1", (2**63,)), b"12"), "buffer", "out-of-band"),
+    "oob-huge-shape": (_oob(_ext(0, "|u1", (2**63,)), b"12"), "oversized", "more than"),
     "oob-object-dtype": (_oob(_ext(0, "|O", (1,)), b"12345678"), "buffer", "out-of-band"),
     "oob-bad-dtype": (_oob(_ext(0, "not-a-dtype", (1,)), b"1"), "buffer", "out-of-band"),
     "oob-bad-meta": (_oob(msgspec.msgpack.Ext(1, b"\xc1"), b"1"), "buffer", "out-of-band"),
@@ -332,7 +333,7 @@ def _decode_or_codec_error(decoder, frames):
     try:
         decoder.decode(frames)
     except CodecError as exc:
-        assert exc.kind in {"malformed", "truncated", "invalid", "buffer"}
+        assert exc.kind in {"malformed", "truncated", "invalid", "buffer", "oversized"}
 
 
 def test_fuzz_random_bytes_only_raise_codec_error(decoder):
@@ -362,3 +363,109 @@ def test_fuzz_truncated_and_corrupted_frames_only_raise_codec_error(decoder):
         if rng.random() < 0.2:
             del frames[rng.randrange(1, len(frames)) if len(frames) > 1 else 0 :]
         _decode_or_codec_error(decoder, frames)
+
+
+# -- typed arrays --------------------------------------------------------------
+
+TokenIds = Annotated[np.ndarray, Array(np.int32, ndim=1, max_size=8)]
+T = TypeVar("T")
+
+
+class Typed(msgspec.Struct, tag="typed", array_like=True, gc=False):
+    rid: str
+    ids: TokenIds
+    scores: Optional[Annotated[np.ndarray, Array(np.float32)]] = None
+    chunks: list[Annotated[np.ndarray, Array(ndim=2)]] = []
+    by_name: dict[str, TokenIds] = {}
+    free: np.ndarray = np.zeros(0)  # no constraint but the decoder's size bound
+
+
+class Wrapped(msgspec.Struct, Generic[T], tag="wrapped", array_like=True, gc=False):
+    id: int
+    body: T
+
+
+def ids(*values, dtype=np.int32):
+    return np.array(values, dtype=dtype)
+
+
+GOOD_TYPED = [
+    Typed("a", ids(1, 2, 3)),
+    Typed("b", ids(), scores=np.ones(3, np.float32), chunks=[np.zeros((2, 2), np.int8)],
+          by_name={"x": ids(7)}, free=np.zeros((2, 2, 2))),
+    Typed("c", ids(*range(8))),  # max_size is inclusive
+]
+
+
+@pytest.mark.parametrize("msg", GOOD_TYPED, ids=lambda m: m.rid)
+def test_typed_array_fields_admit_matching_arrays(encoder, msg):
+    decoder = Decoder(Typed | Abort)
+    got = decoder.decode(as_bytes(encoder.encode(msg)))
+    np.testing.assert_array_equal(got.ids, msg.ids)
+    assert got.ids.dtype == np.int32
+
+
+BAD_TYPED = {
+    "wrong-dtype": (Typed("r", ids(1, 2, dtype=np.int64)), "invalid", "$.ids", "dtype <i8"),
+    "wrong-ndim": (Typed("r", np.zeros((2, 3), np.int32)), "invalid", "$.ids", "shape (2, 3)"),
+    "0-d": (Typed("r", np.array(5, np.int32)), "invalid", "$.ids", "ndim 1"),
+    "byte-swapped": (Typed("r", ids(1, dtype=">i4")), "invalid", "$.ids", "dtype >i4"),
+    "too-many": (Typed("r", ids(*range(9))), "oversized", "$.ids", "9 elements, more than 8"),
+    "optional-field": (Typed("r", ids(1), scores=np.ones(2)), "invalid", "$.scores", "<f8"),
+    "in-a-list": (Typed("r", ids(1), chunks=[np.zeros((1, 1)), np.zeros(3)]), "invalid",
+                  "$.chunks[1]", "ndim 2"),
+    "in-a-dict": (Typed("r", ids(1), by_name={"k": ids(1, dtype=np.uint32)}), "invalid",
+                  "$.by_name['k']", "<u4"),
+}
+
+
+@pytest.mark.parametrize(("msg", "kind", "path", "needle"), BAD_TYPED.values(), ids=BAD_TYPED)
+def test_typed_array_fields_refuse_other_arrays(encoder, msg, kind, path, needle):
+    decoder = Decoder(Typed | Abort)
+    with pytest.raises(CodecError) as info:
+        decoder.decode(as_bytes(encoder.encode(msg)))
+    assert info.value.kind == kind
+    assert f"at `{path}`" in str(info.value) and needle in str(info.value)
+    assert decoder.decode(as_bytes(encoder.encode(Abort("next")))) == Abort("next")  # still usable
+    with pytest.raises(CodecError):  # the same check for an object that came unencoded (inproc)
+        decoder.check(msg)
+
+
+def test_typed_arrays_inside_a_generic_envelope_are_checked(encoder):
+    decoder = Decoder(Union[Abort, Wrapped[Typed | Abort]])
+    frames = as_bytes(encoder.encode(Wrapped(1, Typed("r", np.zeros((1, 1), np.int32)))))
+    with pytest.raises(CodecError, match=r"at `\$\.body\.ids`"):
+        decoder.decode(frames)
+    assert decoder.decode(as_bytes(encoder.encode(Wrapped(2, Abort("x"))))).body == Abort("x")
+
+
+def test_decoder_bounds_every_array_by_elements(encoder):
+    decoder = Decoder(Typed | Abort, max_array_size=10)
+    frames = as_bytes(encoder.encode(Typed("r", ids(1), free=np.zeros(11, np.uint8))))
+    with pytest.raises(CodecError, match="11 elements, more than 10") as info:
+        decoder.decode(frames)
+    assert info.value.kind == "oversized"
+    assert len(decoder.decode(as_bytes(encoder.encode(Typed("r", ids(1), free=np.zeros(10))))).free) == 10
+
+
+def test_types_without_array_constraints_build_no_check():
+    assert Decoder(Message)._check is None
+    assert Decoder(Typed)._check is not None
+
+
+@pytest.mark.parametrize(
+    "type_",
+    [Annotated[list[int], Array(np.int32)], Annotated[np.ndarray, Array(np.int32), Array(ndim=1)]],
+    ids=["not-an-ndarray", "two-specs"],
+)
+def test_misplaced_array_spec_is_refused(type_):
+    with pytest.raises(TypeError, match="Array"):
+        Decoder(type_)
+
+
+def test_array_spec_arguments_are_checked():
+    with pytest.raises(TypeError, match="no pickle"):
+        Array(object)
+    with pytest.raises(ValueError, match="ndim"):
+        Array(ndim=-1)
+    assert Array("int32").dtype == np.dtype(np.int32)
