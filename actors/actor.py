@@ -15,12 +15,16 @@ implements ``handle``, usually one ``match`` over that union::
 
 An exception escaping ``handle`` crashes the actor ("let it crash"); the
 supervisor above it decides what happens next.
+
+What a peer sends never crashes it: a frame that does not decode is dropped
+by the mailbox, and the runtime drops (counts, logs the first of each kind)
+a Reply nobody waits for and a Call or Heartbeat it cannot answer. The
+counts are in ``ActorChild.stats`` (also ``Context.stats``).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import typing
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -28,11 +32,11 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import msgspec
 import trio
 
-from transports import DEFAULT_CAPACITY, Decoder, Hub, Sender
+from transports import DEFAULT_CAPACITY, Address, AddressError, Decoder, DropCounter, Hub, Sender
 
 from ._errors import CallError, CallTimeout, unwrap
 
-__all__ = ["Actor", "ActorChild", "Call", "Caller", "Context", "Heartbeat", "Reply"]
+__all__ = ["Actor", "ActorChild", "ActorStats", "Call", "Caller", "Context", "Heartbeat", "Reply"]
 
 log = logging.getLogger("actors")
 T = TypeVar("T")
@@ -76,9 +80,10 @@ class Caller:
     hands each Reply to ``resolve``.
     """
 
-    def __init__(self, reply_to: str) -> None:
+    def __init__(self, reply_to: str, *, dropped: DropCounter | None = None) -> None:
         self.reply_to = reply_to
-        self._ids = itertools.count(1)
+        self.dropped = dropped if dropped is not None else DropCounter(reply_to)
+        self._last_id = 0  # ids are 1, 2, ...: a reply with another id was never asked for
         self._pending: dict[int, trio.MemorySendChannel[Reply]] = {}
 
     async def call(self, sender: Sender, msg: Any, *, reply: Any = Any,
@@ -92,7 +97,7 @@ class Caller:
 
     async def _request(self, sender: Sender, envelope: typing.Callable[[int], Any], what: str,
                        reply: Any, timeout: float) -> Any:
-        call_id = next(self._ids)
+        self._last_id = call_id = self._last_id + 1
         send, receive = trio.open_memory_channel[Reply](1)
         self._pending[call_id] = send
         try:
@@ -104,20 +109,42 @@ class Caller:
                 return _convert(answer.body, reply)
             raise CallTimeout(f"no reply from {sender.address} to {what} within {timeout:g} s")
         finally:
-            del self._pending[call_id]
+            self._pending.pop(call_id, None)
 
     def resolve(self, reply: Reply) -> None:
-        waiter = self._pending.get(reply.id)
-        if waiter is None:
-            log.debug("reply %d came after its caller gave up", reply.id)
-            return
-        waiter.send_nowait(reply)
+        """Hand ``reply`` to its waiting caller; drop (count) one nobody waits for."""
+        waiter = self._pending.pop(reply.id, None)  # one reply per call: a duplicate finds none
+        if waiter is not None:
+            waiter.send_nowait(reply)
+        elif 0 < reply.id <= self._last_id:
+            self.dropped.count("unawaited reply", f"reply {reply.id}, a duplicate or after its caller gave up")
+        else:
+            self.dropped.count("unknown reply", f"reply {reply.id}, which no call asked for")
 
 
 def _convert(body: Any, type_: Any) -> Any:
     if type_ is Any or (isinstance(type_, type) and isinstance(body, type_)):
         return body
     return msgspec.convert(body, type_, dec_hook=lambda t, obj: obj)
+
+
+class ActorStats:
+    """What an actor's runtime dropped, for operators; each counter logs the first of a kind.
+
+    ``mailbox``: frames the mailbox could not decode (its ``Receiver.dropped``:
+    malformed, truncated, invalid, buffer, oversized). ``runtime``: messages
+    that decoded but could not be served: ``unknown reply`` (no call asked
+    for it), ``unawaited reply`` (a duplicate, or late: its caller gave up),
+    ``unanswerable call`` / ``unanswerable heartbeat`` (its ``reply_to`` is no
+    address a reply can be sent to; a call is then not handled at all).
+    """
+
+    def __init__(self, address: str) -> None:
+        self.mailbox = DropCounter(address)  # replaced by the mailbox's own when it is bound
+        self.runtime = DropCounter(address)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"mailbox": dict(self.mailbox.counts), "runtime": dict(self.runtime.counts)}
 
 
 class Context:
@@ -128,9 +155,10 @@ class Context:
         self.address = address
         self.hub = hub
         self.nursery = nursery  # tasks started here crash the actor when they fail
+        self.stats = child.stats
         self._capacity = capacity
         self._senders: dict[str, Sender] = {}
-        self._caller = Caller(address)
+        self._caller = Caller(address, dropped=child.stats.runtime)
         self._child = child
         self.actor = child.actor  # the running actor object (in this process)
 
@@ -142,6 +170,19 @@ class Context:
 
     async def send(self, address: str, msg: Any) -> None:
         await (await self.sender(address)).send(msg)
+
+    async def answer(self, request: Call[Any] | Heartbeat, reply: Reply) -> None:
+        """Send ``reply`` to ``request.reply_to``; an address it cannot use is counted, not raised."""
+        try:
+            sender = await self.sender(request.reply_to)
+        except (AddressError, OSError) as exc:
+            self._unanswerable(request, str(exc))
+            return
+        await sender.send(reply)
+
+    def _unanswerable(self, request: Call[Any] | Heartbeat, problem: str) -> None:
+        what = "call" if isinstance(request, Call) else "heartbeat"
+        self.stats.runtime.count(f"unanswerable {what}", f"{what} {request.id}: {problem}")
 
     async def call(self, address: str, msg: Any, *, reply: Any = Any, timeout: float = 10.0) -> Any:
         """Send ``msg`` and wait for the callee's return value (or CallError)."""
@@ -192,6 +233,7 @@ class ActorChild:
         self.capacity = capacity
         self.faults = faults
         self.actor: Actor | None = None
+        self.stats = ActorStats(address)
         self._stop_requested = trio.Event()
         self._waiting: trio.CancelScope | None = None
 
@@ -207,6 +249,7 @@ class ActorChild:
     async def run(self, *, task_status: trio.TaskStatus[Context] = trio.TASK_STATUS_IGNORED) -> None:
         actor = self.actor = self.factory()
         inbox = await self.hub.bind(self.address, mailbox_decoder(actor.inbox), capacity=self.capacity)
+        self.stats.mailbox = inbox.dropped
         ctx: Context | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -250,9 +293,9 @@ class ActorChild:
             result = await actor.handle(msg.body)
         except Exception as exc:
             with trio.move_on_after(1.0):
-                await ctx.send(msg.reply_to, Reply(msg.id, error=repr(exc)))
+                await ctx.answer(msg, Reply(msg.id, error=repr(exc)))
             raise
-        await ctx.send(msg.reply_to, Reply(msg.id, result))
+        await ctx.answer(msg, Reply(msg.id, result))
 
 
 async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChannel[Any]) -> None:
@@ -260,12 +303,28 @@ async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChann
 
     Separate from the dispatch loop so a handler awaiting ``call`` can still
     receive its reply, and heartbeats are answered while a handler works.
+    A call that names no usable reply address is refused here, unhandled.
     """
     async with handoff:
         async for msg in inbox:
             if isinstance(msg, Reply):
                 ctx._caller.resolve(msg)
+            elif isinstance(msg, Call | Heartbeat) and (problem := _reply_address_problem(msg.reply_to)):
+                ctx._unanswerable(msg, problem)
             elif isinstance(msg, Heartbeat):
-                await ctx.send(msg.reply_to, Reply(msg.id))
+                await ctx.answer(msg, Reply(msg.id))
             else:
                 await handoff.send(msg)
+
+
+def _reply_address_problem(text: str) -> str | None:
+    """Why a reply cannot be sent to ``text`` (None if it is an address to connect to)."""
+    try:
+        address = Address.parse(text)
+    except AddressError as exc:
+        return str(exc)
+    if address.scheme == "tcp":
+        port = address.rest.rpartition(":")[2]
+        if address.host == "*" or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"reply_to {text!r}: a reply needs tcp://HOST:PORT with a port in 1..65535"
+    return None

@@ -15,7 +15,11 @@ other:
 - the child exits by itself when its parent dies (it waits on the parent's
   pidfd), so a crashed server leaves no orphans.
 
-The spec travels as JSON on stdin; nothing is pickled.
+The spec travels as JSON on stdin; nothing is pickled. It carries the
+options of the child's hub (``hub=``, a ``transports.HubOptions``: CURVE
+keys or key files, the message size bound, ``allow_insecure``), so the child
+secures its channels the way its parent does: ``ProcessChild(...,
+hub=hub.options)``. Without it the child's hub has the defaults.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 import msgspec
 import trio
 
-from transports import open_hub
+from transports import HubOptions, open_hub
 
 from ._errors import ChildStartError
 
@@ -64,6 +68,7 @@ class _Spec(msgspec.Struct):
     parent_pid: int
     name: str
     log_level: int
+    hub: HubOptions | None = None
 
 
 class ProcessChild:
@@ -72,7 +77,7 @@ class ProcessChild:
     def __init__(self, target: str, args: dict[str, Any] | None = None, *,
                  name: str | None = None, kill_after: float = 5.0,
                  ready_timeout: float = 120.0, env: dict[str, str] | None = None,
-                 pass_fds: tuple[int, ...] = ()) -> None:
+                 pass_fds: tuple[int, ...] = (), hub: HubOptions | None = None) -> None:
         self.target = target
         self.args = args or {}
         self.name = name or target
@@ -80,6 +85,7 @@ class ProcessChild:
         self.ready_timeout = ready_timeout
         self.env = env
         self.pass_fds = pass_fds  # inherited by the child under the same numbers (e.g. a listening socket)
+        self.hub = hub  # the options of the child's hub (None: the defaults)
         self.process: trio.Process | None = None
 
     @property
@@ -99,7 +105,7 @@ class ProcessChild:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         ready_read, ready_write = os.pipe()
-        spec = _Spec(self.target, self.args, os.getpid(), self.name, logging.getLogger().level)
+        spec = _Spec(self.target, self.args, os.getpid(), self.name, logging.getLogger().level, self.hub)
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
         try:
@@ -159,7 +165,7 @@ def _load(target: str) -> Any:
 
 async def _child_main(spec: _Spec, ready_fd: int) -> None:
     factory = _load(spec.target)
-    async with open_hub() as hub, trio.open_nursery() as nursery:
+    async with open_hub(spec.hub) as hub, trio.open_nursery() as nursery:
         nursery.start_soon(_exit_when_parent_dies, spec.parent_pid)
         child = factory(hub, **spec.args)
         nursery.start_soon(_stop_when_asked, child)

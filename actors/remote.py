@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from transports import Hub
+from transports import DropCounter, Hub
 
 from ._errors import CallTimeout
 from .actor import Caller, Reply
@@ -42,6 +42,7 @@ class RemoteChild:
         self.interval = interval
         self.timeout = timeout
         self.answered = 0
+        self.dropped = DropCounter(reply_to)  # replies no heartbeat waits for (late, duplicate, unknown)
         self._stopped = trio.Event()
 
     async def stop(self) -> None:
@@ -49,7 +50,7 @@ class RemoteChild:
         await trio.lowlevel.checkpoint()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        caller = Caller(self.reply_to)
+        caller = Caller(self.reply_to, dropped=self.dropped)
         async with await self.hub.bind(self.reply_to, Reply) as replies, \
                 await self.hub.connect(self.address) as sender, trio.open_nursery() as nursery:
             nursery.start_soon(_resolve_replies, replies, caller)

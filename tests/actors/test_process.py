@@ -8,11 +8,16 @@ import textwrap
 
 import pytest
 import trio
+import zmq
+import zmq.auth
 
 from actors import ChildSpec, ChildStartError, RestartIntensityExceeded, Strategy
 from actors.process import ProcessChild, ProcessExited
 from actors.testing import open_harness
+from transports import CurveConfig, Encoder, HubOptions
 
+from ..conftest import free_tcp_port
+from ..transports.monitors import REFUSED_KEY, events_of
 from .messages import Ping, Pong
 
 
@@ -112,6 +117,49 @@ async def test_graceful_stop_lets_the_process_exit_cleanly(ipc):
         await sup.stop()
         await h.wait_event(lambda e: e.kind == "stopped", timeout=10)
         assert process.returncode == 0
+
+
+@pytest.fixture
+def curve_files(tmp_path):
+    """zmq.auth certificates: the server's keypair (every process shares it), its admitted keys, an intruder's."""
+    public, secret = zmq.auth.create_certificates(tmp_path, "tercet")
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    (authorized / "tercet.key").write_bytes((tmp_path / "tercet.key").read_bytes())
+    intruder_public, intruder_secret = zmq.auth.create_certificates(tmp_path, "intruder")
+    config = CurveConfig(secret_file=secret, server_public_file=public, authorized_dir=authorized)
+    return config, zmq.auth.load_certificate(public)[0], zmq.auth.load_certificate(intruder_secret)
+
+
+async def test_a_child_process_over_tcp_with_curve_from_key_files(curve_files):
+    curve, server_public, (intruder_public, intruder_secret) = curve_files
+    echo, out = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
+    async with open_harness(HubOptions(curve=curve)) as h:
+        pongs = await h.probe(out, Pong)
+        spec = ChildSpec("echo", lambda: ProcessChild(
+            "tests.actors.processes:echo", {"address": echo, "reply_to": out}, name="echo",
+            hub=h.hub.options,  # the child's hub is secured as the parent's
+        ))
+        await h.start_supervisor("sup", [spec])
+        await h.send(echo, Ping(1))  # parent -> child, then child -> parent: both CURVE
+        await wait_pong(pongs, "echo", 1)
+
+        context = zmq.Context()
+        intruder = context.socket(zmq.DEALER)
+        intruder.curve_serverkey, intruder.curve_publickey = server_public, intruder_public
+        intruder.curve_secretkey = intruder_secret
+        try:
+            async with events_of(intruder) as next_outcome:
+                intruder.connect(echo)
+                for frame in Encoder().encode(Ping(99)):
+                    intruder.send(frame, zmq.NOBLOCK)
+                with trio.fail_after(10):  # a bound that fails; the wait is on the child's answer
+                    assert await next_outcome() == REFUSED_KEY  # the child's ZAP handler said 400
+            await h.send(echo, Ping(2))
+            await wait_pong(pongs, "echo", 2)  # the next Pong: the intruder's Ping never arrived
+        finally:
+            intruder.close(linger=0)
+            context.term()
 
 
 PARENT = textwrap.dedent(
