@@ -165,7 +165,10 @@ class ZmqReceiver(Receiver[Any]):
                 break
             parts = recv_parts(sock, MAX_FRAMES)
             self._unyielded += 1
-            if not self._admit(parts):
+            if (parts is None or len(parts) > 1) and not self._admit(parts):
+                if self._unyielded >= YIELD_EVERY:  # a flood of dropped messages yields too
+                    self._unyielded = 0
+                    await trio.lowlevel.checkpoint()  # nothing taken is lost to a cancel here
                 continue
             if len(parts) == 1 and not len(parts[0]):
                 self._acknowledge(peer)
@@ -251,7 +254,7 @@ class ZmqReceiver(Receiver[Any]):
                 await self._park_owner()  # the holder reads the socket; it wakes us
                 continue
             fed_a_waiter = self._channel_waiters > 0
-            taken = 0
+            taken = delivered = 0
             blocked = False
             while taken < DRAIN_BATCH:
                 try:
@@ -260,8 +263,9 @@ class ZmqReceiver(Receiver[Any]):
                     break
                 taken += 1
                 item = parts = recv_parts(sock, MAX_FRAMES)  # the rest of a message is always there
-                if not self._admit(parts):
+                if (parts is None or len(parts) > 1) and not self._admit(parts):
                     continue
+                delivered += 1
                 if len(parts) == 1 and not len(parts[0]):
                     # acknowledged at once: everything before it is off the
                     # wire, and a receiver closed before putting it in the
@@ -284,9 +288,9 @@ class ZmqReceiver(Receiver[Any]):
                 # never lost to a cancel here (a cancellable checkpoint after a
                 # successful recv could drop it).
                 await trio.lowlevel.cancel_shielded_checkpoint()
-            elif taken and fed_a_waiter:
+            elif delivered and fed_a_waiter:
                 # The socket is drained and a task in receive got a message
-                # from us: it comes back for the next one and reads the
+                # from us (not only dropped ones: it would wait on the channel): it comes back for the next one and reads the
                 # socket itself; it wakes us when it leaves receive.
                 await self._park_owner()
             else:
@@ -297,11 +301,11 @@ class ZmqReceiver(Receiver[Any]):
                     self._owner_on_fd = False
 
     def _admit(self, parts: list[Any] | None) -> bool:
-        """Count and drop a message over the bounds (one frame is bounded by libzmq)."""
+        """Count and drop a message of several frames over the bounds (libzmq bounds each frame)."""
         if parts is None:
             self.dropped.drop(CodecError("oversized", f"a message of more than {MAX_FRAMES} frames"))
             return False
-        if len(parts) > 1 and (size := sum(len(part) for part in parts)) > self.max_message_bytes:
+        if (size := sum(len(part) for part in parts)) > self.max_message_bytes:
             self.dropped.drop(CodecError("oversized", f"a message of {size} bytes, more than {self.max_message_bytes}"))
             return False
         return True

@@ -88,7 +88,7 @@ def recv_parts(sock: zmq.Socket, max_parts: int) -> list[Any] | None:
     not kept.
     """
     frame = sock.recv(_NOBLOCK, copy=False)
-    parts = [frame]
+    parts: list[Any] | None = [frame]
     while frame.more:
         frame = sock.recv(_NOBLOCK, copy=False)
         if parts is not None:

@@ -15,9 +15,10 @@ Delivery contract, the same for every scheme:
   deliverable. A receiver bound with ``senders=k`` raises
   ``trio.EndOfChannel`` once k senders have closed and their messages are
   drained; with ``senders=None`` (a mailbox) it never ends by itself;
-- a frame that does not decode is counted in ``Receiver.dropped``, logged
-  once per kind, and skipped: it never reaches, nor kills, the receiver's
-  owner.
+- a frame that does not decode, or holds an array its field's ``Array``
+  spec refuses, or a message larger than the hub's ``max_message_bytes``
+  (ipc, tcp), is counted in ``Receiver.dropped``, logged once per kind, and
+  skipped: it never reaches, nor kills, the receiver's owner.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from transports import Array, CurveConfig, Encoder, Frames, InsecureBindError, open_hub
@@ -147,6 +148,58 @@ async def test_a_message_whose_frames_add_up_past_the_bound_is_dropped(wire_addr
         peer.send_multipart([header] + [payload] * 9)  # too many frames
         peer.send_multipart([header, payload])
         with trio.fail_after(5):
+            got = await receiver.receive()
+        assert got.rid == 0 and got.input_ids.tolist() == [0, 1, 2, 3]
+        assert dict(receiver.dropped.counts) == {"oversized": 2}
+        await receiver.aclose()
+
+
+async def test_a_dropped_message_leaves_no_receive_stranded(wire_address, raw_dealer):
+    """The owner drops the only message a waiting receive was woken for, and reads on."""
+    async with open_hub(max_message_bytes=LIMIT) as hub:
+        receiver = await hub.bind(wire_address, Wire)
+        dropped = trio.Event()
+        count = receiver.dropped.count
+
+        def count_and_tell(kind: str, detail: str) -> None:
+            count(kind, detail)
+            dropped.set()
+
+        receiver.dropped.count = count_and_tell
+        peer = raw_dealer(wire_address)
+        header, payload = Encoder().encode(Generate(0, np.arange(4, dtype=np.int32)))
+        got = []
+
+        async def receive_one():
+            got.append(await receiver.receive())
+
+        with trio.fail_after(5):
+            await trio.testing.wait_all_tasks_blocked()  # the owner waits on the socket
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive_one)
+                await trio.testing.wait_all_tasks_blocked()  # ...and receive on the owner
+                peer.send_multipart([header, b"z" * (LIMIT // 2 + 1), b"z" * (LIMIT // 2 + 1)])
+                await dropped.wait()  # the owner took it and dropped it
+                peer.send_multipart([header, payload])
+        assert got[0].rid == 0 and dict(receiver.dropped.counts) == {"oversized": 1}
+        await receiver.aclose()
+
+
+async def test_the_bounds_hold_when_the_receiving_task_reads_the_socket_itself(wire_address, raw_dealer,
+                                                                               monkeypatch):
+    """A receive coming back right after the owner fed it reads the socket in the owner's place."""
+    monkeypatch.setattr(_zmqreceiver, "MAX_FRAMES", 8)
+    async with open_hub(max_message_bytes=LIMIT) as hub:
+        receiver = await hub.bind(wire_address, Wire)
+        peer = raw_dealer(wire_address)
+        header, payload = Encoder().encode(Generate(0, np.arange(4, dtype=np.int32)))
+        peer.send_multipart(Encoder().encode(Note(0, 1)))
+        with trio.fail_after(5):
+            assert await receiver.receive() == Note(0, 1)  # the owner fed us and parked
+            # sent with no checkpoint in between: the next receive holds the socket and reads them
+            peer.send_multipart([header, b"z" * (LIMIT // 2 + 1), b"z" * (LIMIT // 2 + 1)])
+            peer.send_multipart([header] + [payload] * 9)
+            peer.send_multipart([header, payload])
             got = await receiver.receive()
         assert got.rid == 0 and got.input_ids.tolist() == [0, 1, 2, 3]
         assert dict(receiver.dropped.counts) == {"oversized": 2}
