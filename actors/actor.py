@@ -41,6 +41,10 @@ __all__ = ["Actor", "ActorChild", "ActorStats", "Call", "Caller", "Context", "He
 log = logging.getLogger("actors")
 T = TypeVar("T")
 
+MAX_PEERS = 1024  # the most addresses one actor sends to (a reply to a new one beyond is dropped)
+REPLY_PATIENCE_S = 10.0  # how long a reply may wait for its address to take it (a call's default deadline)
+HEARTBEAT_PATIENCE_S = 1.0  # ...a heartbeat's reply (the mailbox is not read meanwhile)
+
 
 class Call(msgspec.Struct, Generic[T], tag="actors.call", array_like=True, gc=False):
     """Envelope of a request that wants a reply (``Context.call``)."""
@@ -136,7 +140,10 @@ class ActorStats:
     that decoded but could not be served: ``unknown reply`` (no call asked
     for it), ``unawaited reply`` (a duplicate, or late: its caller gave up),
     ``unanswerable call`` / ``unanswerable heartbeat`` (its ``reply_to`` is no
-    address a reply can be sent to; a call is then not handled at all).
+    address a reply can be sent to: malformed, it is not handled at all;
+    failing to connect, or beyond ``MAX_PEERS``, its reply is dropped),
+    ``undelivered reply`` (nobody took it within ``REPLY_PATIENCE_S``, or
+    ``HEARTBEAT_PATIENCE_S``).
     """
 
     def __init__(self, address: str) -> None:
@@ -171,14 +178,30 @@ class Context:
     async def send(self, address: str, msg: Any) -> None:
         await (await self.sender(address)).send(msg)
 
-    async def answer(self, request: Call[Any] | Heartbeat, reply: Reply) -> None:
-        """Send ``reply`` to ``request.reply_to``; an address it cannot use is counted, not raised."""
+    async def _answer(self, request: Call[Any] | Heartbeat, reply: Reply) -> None:
+        """Send ``reply`` to ``request.reply_to``, or count why not; never raise, never hang.
+
+        The address comes from a peer: it may fail to connect, be one more of
+        endless distinct addresses (each a socket), or have nobody taking
+        messages there (an inproc send waits for a binding, an ipc/tcp one
+        for room): the reply is then dropped after ``REPLY_PATIENCE_S``
+        (``HEARTBEAT_PATIENCE_S`` for a heartbeat, answered by the task that
+        reads the mailbox).
+        """
+        address = request.reply_to
+        if address not in self._senders and len(self._senders) >= MAX_PEERS:
+            self._unanswerable(request, f"{address}: this actor already sends to {MAX_PEERS} addresses")
+            return
         try:
-            sender = await self.sender(request.reply_to)
+            sender = await self.sender(address)
         except (AddressError, OSError) as exc:
             self._unanswerable(request, str(exc))
             return
-        await sender.send(reply)
+        patience = REPLY_PATIENCE_S if isinstance(request, Call) else HEARTBEAT_PATIENCE_S
+        with trio.move_on_after(patience):
+            await sender.send(reply)
+            return
+        self.stats.runtime.count("undelivered reply", f"reply {request.id}: {address} took nothing for {patience:g} s")
 
     def _unanswerable(self, request: Call[Any] | Heartbeat, problem: str) -> None:
         what = "call" if isinstance(request, Call) else "heartbeat"
@@ -293,9 +316,9 @@ class ActorChild:
             result = await actor.handle(msg.body)
         except Exception as exc:
             with trio.move_on_after(1.0):
-                await ctx.answer(msg, Reply(msg.id, error=repr(exc)))
+                await ctx._answer(msg, Reply(msg.id, error=repr(exc)))
             raise
-        await ctx.answer(msg, Reply(msg.id, result))
+        await ctx._answer(msg, Reply(msg.id, result))
 
 
 async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChannel[Any]) -> None:
@@ -312,7 +335,7 @@ async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChann
             elif isinstance(msg, Call | Heartbeat) and (problem := _reply_address_problem(msg.reply_to)):
                 ctx._unanswerable(msg, problem)
             elif isinstance(msg, Heartbeat):
-                await ctx.answer(msg, Reply(msg.id))
+                await ctx._answer(msg, Reply(msg.id))
             else:
                 await handoff.send(msg)
 

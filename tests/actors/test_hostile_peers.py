@@ -10,7 +10,8 @@ import pytest
 import trio
 
 from actors import Call, Reply
-from actors.actor import Caller, Heartbeat
+from actors import actor as actor_module
+from actors.actor import HEARTBEAT_PATIENCE_S, REPLY_PATIENCE_S, Caller, Heartbeat
 from actors.testing import open_harness
 
 from ..conftest import free_tcp_port
@@ -92,6 +93,36 @@ async def test_calls_without_a_usable_reply_address_are_refused_unhandled(addres
         }
         assert h.count("crashed") == 0
         await stop(h, sup)
+
+
+async def test_replies_nobody_takes_are_dropped_and_the_actor_serves_on(autojump_clock):
+    """inproc: a send waits for its name to be bound; a peer may name one nobody binds."""
+    async with open_harness() as h:
+        pongs = await h.probe("inproc://out", Pong)
+        sup = await h.start_actor("echo", lambda: Echo("inproc://out"), "inproc://echo")
+        start = trio.current_time()
+        await h.send("inproc://echo", Heartbeat(1, "inproc://nobody"))
+        await h.send("inproc://echo", Call(2, "inproc://nobody-either", Ping(2)))
+        await h.send("inproc://echo", Ping(3))
+        assert (await pongs.expect(Pong, timeout=60)).n == 2
+        assert trio.current_time() - start == pytest.approx(HEARTBEAT_PATIENCE_S)
+        assert (await pongs.expect(Pong, timeout=60)).n == 3  # after the reply to Call 2 was given up
+        assert trio.current_time() - start == pytest.approx(HEARTBEAT_PATIENCE_S + REPLY_PATIENCE_S)
+        assert sup.child("echo").stats.as_dict() == {"mailbox": {}, "runtime": {"undelivered reply": 2}}
+        assert h.count("crashed") == 0
+
+
+async def test_replies_to_more_addresses_than_max_peers_are_dropped(autojump_clock, monkeypatch):
+    monkeypatch.setattr(actor_module, "MAX_PEERS", 2)
+    async with open_harness() as h:
+        probes = [await h.probe(f"inproc://r{n}", Reply) for n in range(3)]
+        sup = await h.start_actor("echo", lambda: Echo("inproc://out"), "inproc://echo")
+        for n in range(3):
+            await h.send("inproc://echo", Call(n, f"inproc://r{n}", Get()))
+        await h.send("inproc://echo", Call(9, "inproc://r0", Get()))  # an address it sends to already
+        assert [(await probes[0].expect(Reply)).id for _ in range(2)] == [0, 9]
+        assert [r.id for r in probes[1].received] == [1] and probes[2].received == []
+        assert sup.child("echo").stats.as_dict() == {"mailbox": {}, "runtime": {"unanswerable call": 1}}
 
 
 async def test_undecodable_frames_are_counted_in_the_mailbox_stats(address):
