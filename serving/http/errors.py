@@ -3,6 +3,7 @@ request's abort reason to an HTTP status (503s carry ``Retry-After``)."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -56,11 +57,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(f"the body has {int(declared)} bytes; this server takes at most {limit}", status=413)
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise BadRequest(f"the body passes {limit} bytes, the most this server takes", status=413)
-        parts.append(part)
+    async with aclosing(request.stream()) as stream:
+        async for part in stream:
+            size += len(part)
+            if size > limit:
+                raise BadRequest(f"the body passes {limit} bytes, the most this server takes", status=413)
+            parts.append(part)
     return b"".join(parts)
 
 

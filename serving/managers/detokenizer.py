@@ -254,12 +254,14 @@ class DetokenizerManager(Actor):
             self._open(init)
         rows: list[tuple[int, _Request]] = []
         windows: dict[tuple[bool, bool], list[list[int]]] = defaultdict(list)
+        seen: set[str] = set()
         for i, rid in enumerate(batch.rids):
             req = self.states.get(rid)
-            if req is None:
+            if req is None or rid in seen:  # unknown, or twice in one step (malformed): skipped
                 self.unknown_rids += 1
                 log.debug("output for unknown request %s skipped", rid)
                 continue
+            seen.add(rid)
             if batch.logprobs is not None:
                 req.logprobs.extend(batch.logprobs[i])
             if batch.top_logprobs is not None:
@@ -275,7 +277,7 @@ class DetokenizerManager(Actor):
             decoded = texts[req.decoder.options]
             delta = req.decoder.advance(next(decoded), next(decoded), batch.finished[i])
             if delta.finished is not None:
-                del self.states[req.decoder.rid]
+                self.states.pop(req.decoder.rid, None)
                 if delta.stop_hit:
                     hits.append(StopStringHit(req.decoder.rid, str(delta.finished.matched)))
             elif not delta.text and not delta.ids:

@@ -18,10 +18,13 @@ restarted, ``resubmit_in_flight`` sends every unfinished request again as
 a new incarnation. Each request counts the crashes it was in flight for.
 Once one has been in flight for ``quarantine_after`` crashes in a row, the
 cause may be a request itself (a poison request that crashes whatever runs
-it): the requests then resume *on probation*, one at a time, each waiting
-for the previous one to produce output, with new requests held back. A
-crash while a request is on trial is its own: it ends with an error (500)
-naming the crash and is never resumed again; the others carry on.
+it): the requests that made no progress (``PROGRESS_TOKENS``) since their
+last resume then resume *on probation*, one at a time, each waiting for the
+previous one to make progress, with new requests held back. A crash while a
+request is on trial is its own: it ends with an error (500) naming the
+crash and is never resumed again; the others carry on. (A crash from
+outside — a kill -9 — that lands while a request is on trial is blamed on
+it too: the price of never letting one request crash-loop the server.)
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ __all__ = ["Chunk", "DuplicateRequestError", "GenerateInput", "InvalidRequest", 
            "TokenizerManager", "fold"]
 
 log = logging.getLogger(__name__)
+
+# A request on probation is cleared once it has produced this many tokens (or ended): a
+# request that kills the scheduler at some position does so again within a few tokens of it.
+PROGRESS_TOKENS = 8
 
 
 @dataclass
@@ -94,7 +101,8 @@ class ReqState:
     epoch: int = 0  # incarnations downstream: each resume starts a new one
     submitted: bool = False  # sent downstream at least once (a batch is sent one by one)
     crashes: int = 0  # crashes downstream while it was in flight
-    produced: trio.Event = field(default_factory=trio.Event)  # output since the last (re)submission
+    since_submit: int = 0  # tokens received since the last (re)submission
+    progressed: trio.Event = field(default_factory=trio.Event)  # PROGRESS_TOKENS since then, or the end
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -169,7 +177,9 @@ class TokenizerManager(Actor):
             state.text += text
             state.output_ids.extend(ids)
             state.finished = out.finished[i]
-            state.produced.set()
+            state.since_submit += len(ids)
+            if state.since_submit >= PROGRESS_TOKENS or state.finished is not None:
+                state.progressed.set()
             if ids and state.first_token_at is None:
                 state.first_token_at = now
             if ids:
@@ -256,7 +266,7 @@ class TokenizerManager(Actor):
             state.epoch += 1
             self._by_wire_rid[state.wire_rid] = state
         state.submitted = True
-        state.produced = trio.Event()
+        state.since_submit, state.progressed = 0, trio.Event()
         ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
         await self.ctx.send(self.scheduler, GenerateReq(
             state.wire_rid, ids, state.sampling, state.stream, state.return_logprob,
@@ -299,13 +309,13 @@ class TokenizerManager(Actor):
         elif culprit is None:
             for state in in_flight:
                 state.crashes += 1
-        suspects = [s for s in in_flight if s.crashes >= self.quarantine_after and not s.produced.is_set()]
+        suspects = [s for s in in_flight if s.crashes >= self.quarantine_after and not s.progressed.is_set()]
         if not suspects:
             self._no_probation.set()
             for state in in_flight:
                 await self._submit(state, resume=True)
         else:
-            for state in in_flight:  # those that produced output since their last submission go on at once
+            for state in in_flight:  # those that made progress since their last submission go on at once
                 if state not in suspects:
                     await self._submit(state, resume=True)
             self._no_probation = trio.Event()
@@ -325,7 +335,7 @@ class TokenizerManager(Actor):
                     continue
                 self._on_trial = state
                 await self._submit(state, resume=True)
-                await state.produced.wait()
+                await state.progressed.wait()
             self._on_trial = None
             self._probation = None
             self._no_probation.set()

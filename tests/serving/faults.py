@@ -1,6 +1,7 @@
 """Schedulers that misbehave on purpose, run in child processes by the recovery tests."""
 
 import os
+import signal
 import time
 
 import msgspec
@@ -34,3 +35,34 @@ class HangingScheduler(Scheduler):
 def hanging_scheduler_child(hub, *, address, config, steps, marker):
     parsed = msgspec.convert(config, SchedulerConfig)
     return ActorChild(lambda: HangingScheduler(parsed, steps, marker), address, hub)
+
+
+POISON = [7, 7, 7, 7, 7, 13]  # a prompt that starts so kills the scheduler process when it runs
+LATE_POISON = [7, 7, 7, 7, 7, 14]  # ... once it has generated LATE tokens
+LATE = 3
+
+
+class PoisonedScheduler(Scheduler):
+    """Its model step kills the whole process (as a segfault would) whenever a
+    request whose prompt starts with ``POISON`` is in the step, or one that starts
+    with ``LATE_POISON`` and has generated ``LATE`` tokens."""
+
+    async def on_start(self, ctx):
+        await super().on_start(ctx)
+        real_step = self.runner.step
+
+        def poisoned(s):
+            head = list(s.prompt_ids[: len(POISON)])
+            return head == POISON or (head == LATE_POISON and len(s.output_ids) >= LATE)
+
+        def step(seqs):
+            if any(poisoned(s) for s in seqs):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_step(seqs)
+
+        self.runner.step = step
+
+
+def poisoned_scheduler_child(hub, *, address, config):
+    parsed = msgspec.convert(config, SchedulerConfig)
+    return ActorChild(lambda: PoisonedScheduler(parsed), address, hub)
