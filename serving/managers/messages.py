@@ -23,6 +23,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from transports import Array
+
 __all__ = [
     "AbortReq",
     "AbortWhere",
@@ -129,7 +131,8 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
 
 class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     rid: str
-    input_ids: np.ndarray  # int32; on a resume: prompt + the ids generated so far
+    # on a resume: prompt + the ids generated so far; another dtype or shape is dropped on receipt
+    input_ids: Annotated[np.ndarray, Array(np.int32, ndim=1, max_size=2**24)]
     sampling: SamplingParams
     stream: bool = False
     return_logprob: bool = False

@@ -64,7 +64,7 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
         scheduler = lambda: ProcessChild(  # noqa: E731
             sched.target or "serving.managers.scheduler:scheduler_child",
             {"address": addresses["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
-            name="scheduler", kill_after=grace)
+            name="scheduler", kill_after=grace, hub=hub.options)
     else:
         scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
     if detok.process == "child":
@@ -72,7 +72,7 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
                 "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
         detokenizer = lambda: ProcessChild(  # noqa: E731
             detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
-            kill_after=grace)
+            kill_after=grace, hub=hub.options)
     else:
         detokenizer = lambda: ActorChild(  # noqa: E731
             lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)
@@ -207,7 +207,7 @@ async def open_supervised(topology: Topology, build: Callable[[Any, Path, Any, t
     topology.check()
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_source(topology.model))
     with tempfile.TemporaryDirectory(prefix="tercet-") as runtime_dir:
-        async with open_hub() as hub, trio.open_nursery() as nursery:
+        async with open_hub(topology.hub_options()) as hub, trio.open_nursery() as nursery:
             runtime = build(tokenizer, Path(runtime_dir), hub, nursery)
             await nursery.start(runtime.supervise)
             try:

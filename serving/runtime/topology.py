@@ -10,6 +10,7 @@ only reads and checks; ``serving.runtime.launch`` starts what it describes.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ import msgspec
 import yaml
 
 from actors import WatchdogTimeout
+from transports import CurveConfig, HubOptions
 
 from ..managers.messages import RuntimeStatus
 from ..managers.scheduler import SchedulerConfig
@@ -85,6 +87,22 @@ class WatchdogSection(msgspec.Struct, forbid_unknown_fields=True):
     output_timeout: float = 300.0  # no output while requests are in flight (soft watchdog)
 
 
+class CurveSection(msgspec.Struct, forbid_unknown_fields=True):
+    """CURVE on every tcp link: ``generate: true`` makes one keypair at start for the
+    processes of this server (one host); or ZeroMQ certificate files (``zmq.auth``)."""
+
+    generate: bool = False
+    secret_file: str | None = None  # this side's NAME.key_secret
+    server_public_file: str | None = None  # the receivers' NAME.key
+    authorized_dir: str | None = None  # the NAME.key files of the senders admitted
+
+
+class TransportSection(msgspec.Struct, forbid_unknown_fields=True):
+    max_message_bytes: int | str = "64MiB"  # a peer sending more is disconnected (ipc, tcp)
+    curve: CurveSection | None = None
+    allow_insecure: bool = False  # tcp on an address other than loopback without CURVE
+
+
 class Placement(msgspec.Struct, forbid_unknown_fields=True):
     address: str
     process: Literal["main", "child"] = "main"
@@ -104,6 +122,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
     scheduler: SchedulerSection = msgspec.field(default_factory=SchedulerSection)
     supervision: SupervisionSection = msgspec.field(default_factory=SupervisionSection)
     watchdogs: WatchdogSection = msgspec.field(default_factory=WatchdogSection)
+    transport: TransportSection = msgspec.field(default_factory=TransportSection)
     actors: ActorsSection = msgspec.field(default_factory=ActorsSection)
 
     def check(self) -> None:
@@ -126,6 +145,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             if not ok:
                 raise TopologyError(f"{where}: {what}")
         parse_size(self.scheduler.kv_budget, "scheduler.kv_budget")
+        parse_size(self.transport.max_message_bytes, "transport.max_message_bytes")
+        self.hub_options(generate=False)
         if parse_size(self.server.max_request_bytes, "server.max_request_bytes") < 1024:
             raise TopologyError("server.max_request_bytes: must be at least 1KiB")
         for name in ("scheduler", "detokenizer", "tokenizer"):
@@ -135,6 +156,10 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                                     "inproc://NAME, ipc:///PATH or tcp://HOST:PORT")
             if placement.process == "child" and placement.address.startswith("inproc://"):
                 raise TopologyError(f"actors.{name}: a child process cannot be reached over inproc://")
+            if placement.address.startswith("tcp://") and not _loopback(placement.address) \
+                    and self.transport.curve is None and not self.transport.allow_insecure:
+                raise TopologyError(f"actors.{name}.address: {placement.address} is not a loopback address: "
+                                    "secure it with transport.curve, or set transport.allow_insecure: true")
         if self.actors.tokenizer.process != "main":
             raise TopologyError("actors.tokenizer.process: the tokenizer manager runs with the HTTP server (main)")
         if self.server.workers > 1:
@@ -144,6 +169,24 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                                         "are processes of their own; use ipc:// or tcp://")
             if self.server.workers > 64:
                 raise TopologyError("server.workers: at most 64")
+
+    def hub_options(self, *, generate: bool = True) -> HubOptions:
+        """What every hub of this server opens with (``generate``: make the keys of
+        ``curve.generate`` now; False: check the section only)."""
+        t = self.transport
+        curve = None
+        if t.curve is not None:
+            try:
+                if t.curve.generate:
+                    curve = CurveConfig.generate() if generate else None
+                else:
+                    curve = CurveConfig(secret_file=t.curve.secret_file, server_public_file=t.curve.server_public_file,
+                                        authorized_dir=t.curve.authorized_dir)
+                    curve.load()  # the files are there and hold keys
+            except (ValueError, OSError) as exc:
+                raise TopologyError(f"transport.curve: {exc}") from None
+        return HubOptions(curve=curve, max_message_bytes=parse_size(t.max_message_bytes, "transport.max_message_bytes"),
+                          allow_insecure=t.allow_insecure)
 
     def addresses(self, runtime_dir: Path) -> dict[str, str]:
         """Each actor's address, ``{runtime_dir}`` filled in."""
@@ -170,6 +213,16 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             enable_prefix_cache=s.enable_prefix_cache, step_timeout=self.watchdogs.step_timeout,
             detokenizer=detokenizer,
         )
+
+
+def _loopback(address: str) -> bool:
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

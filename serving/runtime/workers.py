@@ -130,7 +130,7 @@ class WorkerPool(Supervised):
                     "listen_fd": self._listen_fd}
             process = ProcessChild("serving.http.worker:worker_child", args, name=f"worker-{index}",
                                    kill_after=self.topology.supervision.shutdown_grace,
-                                   pass_fds=(self._listen_fd,), env=self._env)
+                                   pass_fds=(self._listen_fd,), env=self._env, hub=self._hub.options)
             return _WorkerProcess(index, process, self, restart=starts > 1)
 
         return start

@@ -48,6 +48,12 @@ def write(tmp_path, text):
         ("actors:\n  scheduler: {process: child, address: 'inproc://s'}\n", r"t.yaml:2: actors.scheduler: a child process"),
         ("supervision:\n  strategy: one_for_some\n", r"t.yaml:2: supervision.strategy: Invalid enum value"),
         ("model:\n  device: gpu\n", r"t.yaml:2: model.device: Expected `str` matching regex"),
+        ("actors:\n  scheduler: {process: child, address: 'tcp://10.1.2.3:5000'}\n",
+         r"t.yaml:2: actors.scheduler.address: tcp://10.1.2.3:5000 is not a loopback address"),
+        ("actors:\n  detokenizer: {process: child, address: 'tcp://0.0.0.0:5000'}\n",
+         r"t.yaml:2: actors.detokenizer.address: tcp://0.0.0.0:5000 is not a loopback address"),
+        ("transport:\n  curve: {secret_file: /no/such.key_secret}\n", r"t.yaml:2: transport.curve: "),
+        ("transport:\n  max_message_bytes: huge\n", r"t.yaml:2: transport.max_message_bytes: 'huge' is not a size"),
         ("server: [1, 2\n", r"not valid YAML"),
         ("- 1\n", r"top level must be a mapping"),
     ],
@@ -96,6 +102,28 @@ async def test_device_and_context_length_reach_the_scheduler_and_v1_models(nurse
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         r = await client.post("/v1/completions", json={"prompt": [5] * (capacity - 2), "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_remote_tcp_address_is_allowed_with_curve_or_when_insecure_is_asked_for(tmp_path):
+    remote = "actors:\n  scheduler: {process: child, address: 'tcp://10.1.2.3:5000'}\n"
+    assert load_topology(write(tmp_path, remote + "transport: {allow_insecure: true}\n")).transport.allow_insecure
+    curve = load_topology(write(tmp_path, remote + "transport: {curve: {generate: true}}\n"))
+    assert curve.hub_options().curve is not None
+    assert load_topology(write(tmp_path, "actors:\n  scheduler: {address: 'tcp://[::1]:5000'}\n"))
+
+
+async def test_tcp_links_with_generated_curve_keys_serve(nursery):
+    """Every link over tcp with CURVE: the child processes get the keys with their hub options."""
+    tcp = {name: {"process": "child" if name != "tokenizer" else "main",
+                  "address": f"tcp://127.0.0.1:{free_tcp_port()}"} for name in ("scheduler", "detokenizer", "tokenizer")}
+    url, app = await start_server(nursery, "tcp", **{f"actors.{k}": v for k, v in tcp.items()},
+                                  **{"transport.curve": {"generate": True}})
+    assert app.state.server.runtime.supervisor is not None
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        info = (await client.get("/server_info")).json()
+        assert info["topology"]["transport"]["curve"] == "***"  # key material is never shown
 
 
 def test_missing_file_lists_the_shipped_ones():
