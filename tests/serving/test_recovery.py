@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from .test_http import start_server
+from .test_http import sse_events, start_server
 
 N_REQUESTS = 32
 # These tests kill the scheduler from outside, again and again: to the poison quarantine a kill
@@ -310,3 +310,57 @@ async def test_smollm2_requests_survive_a_scheduler_kill(nursery):
     assert texts == fault_free
     assert all(len(ids) == 40 for _, ids in texts.values())
     assert_drained(info)
+
+
+async def test_resumed_requests_pass_the_queue_bound(nursery, baseline):
+    """8 streams against 2 running and 6 queued: all 8 are resumed into the new scheduler."""
+    bodies = requests_for(31, n=8)
+    expected = baseline(bodies)
+    url, app = await start_server(nursery, "default", **RECOVERY, **{
+        "scheduler.max_running_requests": 2, "scheduler.max_queued_requests": 6})
+    runtime = app.state.server.runtime
+    texts = {}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(run_all, client, bodies[:2], True, texts)
+            with trio.fail_after(60):
+                while (await client.get("/server_info")).json()["running"] < 2:
+                    await trio.sleep(0.005)
+            inner.start_soon(run_all, client, bodies[2:], True, texts)
+            with trio.fail_after(60):
+                while (info := (await client.get("/server_info")).json())["waiting"] < 6:
+                    await trio.sleep(0.005)
+            assert info["running"] == 2  # and the queue is full
+            os.kill(scheduler_pid(app), signal.SIGKILL)
+            await runtime.status.started("scheduler", 2)
+    assert texts == expected
+    assert runtime.tokenizer_manager.resumed == 8
+
+
+async def test_an_abort_while_the_scheduler_restarts_is_not_undone_by_the_resume(nursery):
+    url, app = await start_server(nursery, "default", **RECOVERY)
+    runtime = app.state.server.runtime
+    tm = runtime.tokenizer_manager
+    body = {"input_ids": [9, 10, 11], "rid": "doomed", "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async with trio.open_nursery() as inner:
+            ended = {}
+
+            async def long_stream():
+                ended["response"] = await client.post("/generate", json=body)
+
+            inner.start_soon(long_stream)
+            while not (tm.rid_to_state and tm.rid_to_state["doomed"].output_ids):
+                await trio.sleep(0.001)  # it streams
+            os.kill(scheduler_pid(app), signal.SIGKILL)
+            with trio.fail_after(10):
+                while runtime.status.scheduler_running():
+                    await trio.sleep(0.001)  # the supervisor saw the death: it restarts the scheduler
+            r = await client.post("/abort_request", json={"rid": "doomed"})
+            assert r.json() == {"rid": "doomed", "aborted": True}
+        events = sse_events(ended["response"].text)
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        await runtime.status.started("scheduler", 2)
+        info = (await client.get("/server_info")).json()
+        assert tm.resumed == 0 and info["running"] == 0 and info["waiting"] == 0

@@ -93,13 +93,21 @@ async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, m
         assert {"worker-0", "worker-1", "scheduler", "detokenizer"} <= set(info["pids"])
         assert (await clients[1].get("/health")).status_code == 200
 
-        # concurrent requests on both workers: every output reaches its own worker
+        # concurrent requests on both workers: every output reaches its own worker and request
+        def body_for(k, **extra):
+            return {"input_ids": [5 + k, 6, 7], **extra,
+                    "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}}
+
+        references = []
+        for k in range(3):  # one at a time: nothing to mix up
+            r = (await clients[k % 2].post("/generate", json=body_for(k))).json()
+            references.append((r["text"], r["output_ids"]))
+        assert len({tuple(ids) for _, ids in references}) == 3  # a swapped output would show
         results = {}
 
         async def run(worker, k):
             for stream in (True, False):
-                body = {"input_ids": [5 + k, 6, 7], "stream": stream,
-                        "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}}
+                body = body_for(k, stream=stream)
                 r = await pinned[worker][k].post("/generate", json=body)
                 assert r.status_code == 200, r.text
                 if stream:
@@ -116,10 +124,23 @@ async def test_two_workers_serve_route_abort_pause_and_update_weights(nursery, m
         assert all(len(ids) == 12 and finish == {"type": "length", "matched": 12}
                    for _, ids, finish in results.values())
         assert all(text == pool.tokenizer.decode(ids) for text, ids, _ in results.values())
+        assert all((text, ids) == references[k] for (_, k, _), (text, ids, _) in results.items())
         # either worker reports the whole server's figures
         for worker in (0, 1):
-            assert await metric(clients[worker], 'tercet_requests_total{finish_reason="length"}') == 12
-            assert await metric(clients[worker], "tercet_generation_tokens_total") == 12 * 12
+            assert await metric(clients[worker], 'tercet_requests_total{finish_reason="length"}') == 12 + 3
+            assert await metric(clients[worker], "tercet_generation_tokens_total") == (12 + 3) * 12
+
+        # two clients give the same rid to requests on different workers: each gets its own answer
+        twins = {}
+
+        async def twin(worker):
+            r = await pinned[worker][1].post("/generate", json=body_for(worker, rid="twin"))
+            twins[worker] = (r.status_code, r.json()["text"], r.json()["output_ids"])
+
+        async with trio.open_nursery() as inner:
+            for worker in (0, 1):
+                inner.start_soon(twin, worker)
+        assert twins == {w: (200, *references[w]) for w in (0, 1)}
 
         # /abort_request that lands on the other worker still aborts the request
         body = {"input_ids": [9, 10], "rid": "far-away", "stream": True,
