@@ -291,3 +291,36 @@ async def test_a_poison_request_alone_non_streaming_gets_500(nursery, tmp_path):
         assert error["type"] == "server_error" and "not resumed again" in error["message"]
         assert (await client.post("/generate", json=GREEDY)).json()["text"] == before
     assert app.state.server.runtime.tokenizer_manager.quarantined == 1
+
+
+async def test_requests_larger_than_the_kv_pool_together_never_stall_the_server(nursery, tiny_loaded):
+    """A KV pool of 128 tokens: three requests that each fit but not together, a short one beside
+    them, and one sent straight to the scheduler asking for far more than the pool holds."""
+    config = tiny_loaded.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # fp32 K and V
+    url, app = await start_server(nursery, "default", **{"model.dtype": "float32",
+                                                         "scheduler.kv_budget": per_token * 128})
+    runtime = app.state.server.runtime
+    big = [{"input_ids": [20 + i, 21, 22], "sampling_params": {"max_new_tokens": 120, "ignore_eos": True,
+                                                               "temperature": 0}} for i in range(3)]
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        alone = [(await client.post("/generate", json=body)).json()["output_ids"] for body in big]
+        results = {}
+
+        async def one(i, body):
+            results[i] = (await client.post("/generate", json=body)).json()
+
+        async with trio.open_nursery() as inner:
+            for i, body in enumerate(big):
+                inner.start_soon(one, i, body)
+            greedy = (await client.post("/generate", json=GREEDY)).json()  # beside them, not stalled
+            sampling = SamplingParams(max_new_tokens=100_000, ignore_eos=True)
+            await runtime.tokenizer_manager.ctx.send(runtime.addresses["scheduler"], GenerateReq(
+                "greedy-wire#0.0", np.array([5, 6, 7], dtype=np.int32), sampling))
+        assert len(greedy["output_ids"]) == 8
+        assert [results[i]["output_ids"] for i in range(3)] == alone
+        with trio.fail_after(30):  # the wire request ends at the pool's size ("length"), alone
+            while (info := (await client.get("/server_info")).json())["running"] or info["waiting"]:
+                await trio.sleep(0.05)
+        assert info["retracted"] > 0 and info["max_context_len"] == 128
+    assert runtime.status.restarts["scheduler"] == 0
