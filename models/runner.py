@@ -19,10 +19,11 @@ benchmarks/bench_model.py --deterministic). What it changes:
 - silu is composed of position-independent ops; the logprobs' normaliser
   is a per-row log_softmax (`sampling.py`).
 
-It holds within one machine, library build and `torch.get_num_threads()`
-(the GEMM kernels split work by thread count), and on CPU only: on CUDA
-the triton split-KV kernel is invariant by construction but the GEMMs
-and norms there were never measured, so the runner refuses.
+It is claimed for one machine, torch/MKL/oneDNN build and thread count
+(the tiles gave the same bits with 1 and 2 threads here, but GEMM kernels
+may split work by thread count elsewhere), and on CPU only: on CUDA the
+triton split-KV kernel is invariant by construction but the GEMMs and
+norms there were never measured, so the runner refuses.
 """
 
 from __future__ import annotations
