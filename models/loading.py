@@ -201,8 +201,13 @@ def load_tokenizer(path: str | os.PathLike | None = None):
 
     _offline()
     source = Path(path) if path is not None else embedded_gguf_path()
+    if not source.exists():
+        raise ModelLoadError(f"{source}: no such file or directory")
     directory = converted_gguf_dir(source) if source.is_file() else source
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # transformers' errors vary (OSError, ValueError, ...): say which path
+        raise ModelLoadError(f"{source}: cannot load its tokenizer: {exc}") from exc
 
 
 def to_transformers(loaded: LoadedModel, dtype: torch.dtype = torch.float32):
