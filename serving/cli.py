@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -19,6 +20,8 @@ from typing import Any
 import trio
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
+
+from actors import ChildStartError
 
 from .http.app import build_app, hypercorn_config
 from .runtime.launch import open_runtime
@@ -124,7 +127,8 @@ async def serve_workers(topology: Topology, *, failure_grace: float = 1.0,
     with listening_socket(topology.server.host, topology.server.port) as sock:
         async with open_worker_pool(topology, sock.fileno()) as pool:
             host, port = sock.getsockname()[:2]
-            log.info("ready: %d tokenizer workers serving on http://%s:%d", topology.server.workers, host, port)
+            log.info("ready on http://%s:%d: %s, %d tokenizer workers", host, port, describe(topology),
+                     topology.server.workers)
             task_status.started(pool)
             await _until_signal_or(pool.status.failed, failure_grace)
         return pool.status.failure
@@ -157,28 +161,85 @@ async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseExcept
             await _until_signal_or(ready_or_failed, failure_grace)
             nursery.cancel_scope.cancel()
 
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+    except BaseException as exc:
+        failed = getattr(app.state, "startup_error", None)
+        if failed is not None:  # hypercorn wraps it in a traceback dump: hand on the error itself
+            raise StartupError(cause_of(failed)) from failed
+        raise
     return app.state.server.runtime.status.failure if app.state.ready.is_set() else None
+
+
+class StartupError(Exception):
+    """The server could not start; the message is one line naming the cause."""
+
+
+def check_model(topology: Topology) -> None:
+    """Before anything starts: the model named exists (a TopologyError naming the field)."""
+    from models.errors import ModelLoadError
+    from models.loading import embedded_gguf_path
+
+    path = topology.model.path
+    if path == "tiny":
+        return
+    if path is None:
+        try:
+            embedded_gguf_path()
+        except ModelLoadError as exc:
+            raise TopologyError(f"model.path: {exc}") from None
+        return
+    if not os.path.exists(path):
+        raise TopologyError(f"model.path: {path} does not exist (give a local Hugging Face model directory "
+                            "or a .gguf file; nothing is downloaded)")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise TopologyError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise TopologyError(f"model.path: {path} is a file but not a .gguf model")
+
+
+def cause_of(exc: BaseException) -> str:
+    """One line for a failure: the innermost error that says what went wrong."""
+    while True:
+        if isinstance(exc, BaseExceptionGroup):
+            leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+            if not leaves:
+                break
+            exc = leaves[0]
+        elif isinstance(exc, ChildStartError) and exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())[:1000]
+
+
+def describe(topology: Topology) -> str:
+    m = topology.model
+    model = "the embedded SmolLM2-135M-Instruct" if m.path is None else m.path
+    return f"{model} ({m.dtype}, device {m.device})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    debug = args.log_level.lower() == "debug"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         topology = topology_from(args)
+        check_model(topology)
     except TopologyError as exc:
         print(f"tercet: {exc}", file=sys.stderr)
         return 2
-    log.info("serving on http://%s:%d with actors %s%s", topology.server.host, topology.server.port,
-             ", ".join(f"{name}@{getattr(topology.actors, name).address} ({getattr(topology.actors, name).process})"
-                       for name in ("scheduler", "detokenizer", "tokenizer")),
-             f"; {topology.server.workers} tokenizer worker processes" if topology.server.workers > 1 else "")
+    log.info("loading %s; %s", describe(topology), f"{topology.server.workers} tokenizer worker processes"
+             if topology.server.workers > 1 else "one tokenizer manager")
     try:
         failure = trio.run(serve, topology)
     except KeyboardInterrupt:
         return 0
-    except Exception as exc:  # noqa: BLE001 - a runtime that failed to start: say why, exit non-zero
-        log.critical("the server failed: %r", exc)
+    except Exception as exc:  # noqa: BLE001 - a runtime that failed to start: one line, exit non-zero
+        log.debug("start-up failed", exc_info=exc)
+        print(f"tercet: could not start: {cause_of(exc)}" + ("" if debug else " (--log-level debug shows the "
+              "traceback)"), file=sys.stderr)
         return 1
     if failure is not None:
         log.critical("exiting: %s", failure)

@@ -47,6 +47,7 @@ from .admin import (
 from .errors import BadRequest, error
 from .generate import chat_completions, completions, generate
 from .metrics import Metrics
+from .openapi import OPEN, openapi
 from .state import ServerState
 
 __all__ = ["RuntimeOpener", "build_app", "hypercorn_config"]
@@ -85,9 +86,10 @@ ROUTES = [
     ("/pause_generation", pause_generation, ["POST"]),
     ("/continue_generation", continue_generation, ["POST"]),
     ("/update_weights_from_disk", update_weights_from_disk, ["POST"]),
+    ("/openapi.json", openapi, ["GET"]),
 ]
 
-UNPROTECTED = {"/health"}
+UNPROTECTED = set(OPEN)  # /health, /openapi.json
 ADMIN = {"/server_info", "/get_server_info", "/abort_request", "/flush_cache", "/pause_generation",
          "/continue_generation", "/update_weights_from_disk"}
 
@@ -116,17 +118,24 @@ class ApiKeyMiddleware:
 def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metrics | None = None) -> Starlette:
     """The app of ``topology``; its lifespan holds ``open_runtime()`` open while it serves.
     ``app.state.ready`` is set once it serves, ``app.state.server`` is its ServerState."""
+    server = topology.server
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with open_runtime() as runtime:
-            state = app.state.server = ServerState(runtime, metrics or Metrics())
-            context = await state.context_len()
-            app.state.ready.set()
-            log.info("ready: model %s (context %d tokens)", state.model_name, context)
-            yield
+        try:
+            async with open_runtime() as runtime:
+                state = app.state.server = ServerState(runtime, metrics or Metrics())
+                context = await state.context_len()
+                app.state.ready.set()
+                if runtime.worker is None:  # (with tokenizer workers, the main process says it for all)
+                    log.info("ready on http://%s:%d: model %s, context %d tokens, actors %s", server.host,
+                             server.port, state.model_name, context, _actors(runtime))
+                yield
+        except BaseException as exc:
+            if not app.state.ready.is_set():
+                app.state.startup_error = exc  # the caller says why in one line; hypercorn would dump it
+            raise
 
-    server = topology.server
     middleware = [Middleware(ApiKeyMiddleware, api_key=server.api_key, admin_api_key=server.admin_api_key)] \
         if server.api_key or server.admin_api_key else []
     routes = [Route(path, routes_for(fn), methods=methods) for path, fn, methods in ROUTES]
@@ -135,6 +144,13 @@ def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metri
     app.state.ready = trio.Event()
     app.state.max_request_bytes = parse_size(server.max_request_bytes, "server.max_request_bytes")
     return app
+
+
+def _actors(runtime: Runtime) -> str:
+    """Each actor's address, as running (placeholders filled in), and its pid."""
+    pids = runtime.status.pids()
+    return ", ".join(f"{name} {address}" + (f" (pid {pids[name]})" if name in pids else "")
+                     for name, address in runtime.addresses.items() if name in ("scheduler", "detokenizer"))
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -152,5 +168,6 @@ def hypercorn_config(bind: str, *, startup_timeout: float = 60.0) -> Config:
     config.accesslog = None
     config.graceful_timeout = 5.0
     config.startup_timeout = startup_timeout
+    config.loglevel = "WARNING"  # not "Running on ...": tercet says when it is ready
     return config
 

@@ -45,6 +45,7 @@ class WorkerRuntime:
         self.topology = topology
         self.tokenizer = tokenizer
         self.worker = worker
+        self.addresses = addresses
         self.control = addresses["control"]
         self.metrics = metrics
         self.status = StatusTracker()

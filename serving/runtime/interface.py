@@ -230,6 +230,7 @@ class Runtime(Protocol):
 
     topology: Topology
     tokenizer: Any
+    addresses: dict[str, str]  # each actor's, as running ({runtime_dir} filled in)
     worker: int | None  # a tokenizer worker's index; None when the runtime has one tokenizer manager
     status: StatusTracker
     gate: Gate

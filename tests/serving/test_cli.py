@@ -1,0 +1,68 @@
+"""``tercet serve`` as a user runs it: what it says while starting, when it is ready, and
+when it cannot start (one line naming the cause, a non-zero exit, no traceback)."""
+
+import signal
+import subprocess
+import sys
+
+import httpx
+import trio
+
+from ..conftest import free_tcp_port
+
+
+async def run_serve(*args, timeout=120):
+    """Run ``tercet serve ARGS`` to its end: (exit code, what it wrote)."""
+    with trio.fail_after(timeout):
+        done = await trio.run_process([sys.executable, "-m", "serving.cli", "serve", *args],
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    return done.returncode, (done.stdout + done.stderr).decode()
+
+
+async def test_a_missing_model_is_one_line_and_exit_2():
+    code, out = await run_serve("--model", "/no/such/model", "--port", str(free_tcp_port()))
+    assert code == 2, out
+    assert out.strip().count("\n") == 0 and "model.path: /no/such/model does not exist" in out, out
+
+
+async def test_a_broken_model_is_one_line_and_exit_1_and_debug_shows_the_traceback(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    code, out = await run_serve("--model", str(model), "--port", str(free_tcp_port()), "--log-level", "warning")
+    assert code == 1, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tercet: could not start: ") and str(model) in lines[0], out
+    assert "Traceback" not in out
+    code, out = await run_serve("--model", str(model), "--port", str(free_tcp_port()), "--log-level", "debug")
+    assert code == 1 and "Traceback" in out and "tercet: could not start: " in out
+
+
+async def test_it_says_what_it_loads_and_when_it_is_ready_then_stops_on_sigterm():
+    port = free_tcp_port()
+    server = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = b""
+    try:
+        with trio.fail_after(120):
+            while b"ready on" not in log:
+                part = await server.stderr.receive_some()
+                assert part, log.decode()
+                log += part
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            assert (await client.get("/health")).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            while part := await server.stderr.receive_some():
+                log += part
+            assert await server.wait() == 0
+    finally:
+        if server.returncode is None:
+            server.kill()
+            await server.wait()
+    text = log.decode()
+    loading, ready = text.index("loading tiny"), text.index(f"ready on http://127.0.0.1:{port}")
+    assert loading < ready
+    assert "{runtime_dir}" not in text and "Running on" not in text and "Traceback" not in text, text
+    assert "scheduler ipc:///" in text and "(pid " in text, text
