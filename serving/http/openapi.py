@@ -1,11 +1,14 @@
-"""``GET /openapi.json``: the HTTP API as an OpenAPI 3.1 document.
+"""``GET /openapi.json``: the HTTP API as an OpenAPI 3.2 document.
 
 The request bodies are described by ``msgspec.json.schema_components`` over
 the very structs the routes decode (``GenerateInput``, ``CompletionRequest``,
 ``ChatRequest``, ``AbortBody``, ``UpdateWeightsBody``), so every bound in the
 document (minimum, maximum, minLength, maxLength, additionalProperties) is the
 one msgspec enforces. The structs below only describe answers; the fuzz test
-checks the server's real answers against them.
+checks the server's real answers against them. It is 3.2 for the streams:
+``itemSchema`` describes one server-sent event (3.1 has no way to).
+One thing JSON Schema cannot say: an integer field takes JSON integers only
+(msgspec refuses ``2.0``, which JSON Schema counts as an integer).
 
 The operations are those of the app's routes, read from ``request.app.routes``
 (this module does not import ``app``, which imports it). The document is the
@@ -245,6 +248,13 @@ def _error(status: int) -> dict[str, Any]:
             "content": _json({"$ref": "#/components/schemas/ErrorBody"}), **({"headers": headers} if headers else {})}
 
 
+def _event(name: str) -> dict[str, Any]:
+    """One server-sent event of a stream of ``name``s (OpenAPI 3.2's ``itemSchema``)."""
+    chunk = {"anyOf": [{"$ref": f"#/components/schemas/{name}"}, {"$ref": "#/components/schemas/ErrorBody"}]}
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json", "contentSchema": chunk}]}}}
+
+
 def _operation(path: str, method: str, answers: dict[str, Any]) -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": f"{method}_{path.strip('/').replace('/', '_').replace('.', '_')}"}
     if path in OPEN:
@@ -260,7 +270,7 @@ def _operation(path: str, method: str, answers: dict[str, Any]) -> dict[str, Any
     if path in STREAMS:
         ok["description"] = (f'With "stream": true, Server-Sent Events: one "data: <{STREAMS[path]} JSON>" event '
                              'per step, an ErrorBody event if it fails after it started, then "data: [DONE]".')
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["content"]["text/event-stream"] = {"itemSchema": _event(STREAMS[path])}
     responses: dict[str, Any] = {"200": ok}
     for status in ERRORS.get(path, ()):
         responses[str(status)] = _error(status)
@@ -282,7 +292,7 @@ def document(routes: tuple[tuple[str, tuple[str, ...]], ...]) -> bytes:
     answers = dict(zip([name for name, _ in named], schemas))
     paths = {path: {m.lower(): _operation(path, m.lower(), answers) for m in methods} for path, methods in routes}
     return msgspec.json.encode({
-        "openapi": "3.1.0",
+        "openapi": "3.2.0",
         "info": {"title": "tercet", "version": "0.1.0",
                  "description": "SGLang's native /generate, OpenAI-compatible completions and chat, admin routes."},
         "paths": paths,
