@@ -168,6 +168,7 @@ def hypercorn_config(bind: str, *, startup_timeout: float = 60.0) -> Config:
     config.accesslog = None
     config.graceful_timeout = 5.0
     config.startup_timeout = startup_timeout
+    config.backlog = 2048  # hypercorn's 100 resets connections when hundreds arrive at once
     config.loglevel = "WARNING"  # not "Running on ...": tercet says when it is ready
     return config
 
