@@ -39,7 +39,7 @@ async def models(request: Request, state: ServerState) -> Response:
 
 
 async def health(request: Request, state: ServerState) -> Response:
-    problem = await state.health_problem()
+    problem = state.quick_health()
     if problem is not None:
         return PlainTextResponse(problem, status_code=503)
     return PlainTextResponse("OK")
@@ -63,7 +63,7 @@ async def health_generate(request: Request, state: ServerState) -> Response:
 
 
 async def metrics(request: Request, state: ServerState) -> Response:
-    body = await state.metrics.render(state.runtime)
+    body = state.metrics.render(state.runtime, state.health.info)  # no wait on a busy scheduler
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -123,14 +123,16 @@ def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metri
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
-            async with open_runtime() as runtime:
+            async with open_runtime() as runtime, trio.open_nursery() as nursery:
                 state = app.state.server = ServerState(runtime, metrics or Metrics())
                 context = await state.context_len()
+                await nursery.start(state.health.run)
                 app.state.ready.set()
                 if runtime.worker is None:  # (with tokenizer workers, the main process says it for all)
                     log.info("ready on http://%s:%d: model %s, context %d tokens, actors %s", server.host,
                              server.port, state.model_name, context, _actors(runtime))
                 yield
+                nursery.cancel_scope.cancel()
         except BaseException as exc:
             if not app.state.ready.is_set():
                 app.state.startup_error = exc  # the caller says why in one line; hypercorn would dump it

@@ -159,6 +159,7 @@ def _sse(data: Any) -> bytes:
 
 async def generate(request: Request, state: ServerState) -> Response:
     """SGLang's native API: one prompt or a batch; every streamed chunk holds the text so far."""
+    state.refuse_if_overloaded()
     obj = await decode_body(request, GenerateInput)
     single = obj.text is None or isinstance(obj.text, str)
     single = single and (obj.input_ids is None or not obj.input_ids or not isinstance(obj.input_ids[0], list))
@@ -201,6 +202,7 @@ async def generate(request: Request, state: ServerState) -> Response:
 
 
 async def completions(request: Request, state: ServerState) -> Response:
+    state.refuse_if_overloaded()
     req = await decode_body(request, CompletionRequest)
     state.check_model(req.model)
     obj = _convert(completion_input, req)
@@ -210,6 +212,7 @@ async def completions(request: Request, state: ServerState) -> Response:
 
 
 async def chat_completions(request: Request, state: ServerState) -> Response:
+    state.refuse_if_overloaded()
     req = await decode_body(request, ChatRequest)
     state.check_model(req.model)
     obj = _convert(chat_input, req)

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
-from actors import CallError
-
-from ..managers.messages import ServerInfoReq
 from ..managers.tokenizer_manager import Chunk
 from ..runtime.interface import Runtime
 
@@ -61,12 +59,9 @@ class Metrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    async def render(self, runtime: Runtime) -> bytes:
+    def render(self, runtime: Runtime, info: dict[str, Any] | None) -> bytes:
+        """The metrics page; ``info``: the scheduler's latest figures (ServerInfoReq), if any."""
         tm = runtime.tokenizer_manager
-        try:
-            info = await tm.call_scheduler(ServerInfoReq(), timeout=2.0)
-        except CallError:
-            info = None
         if info is not None:
             self.waiting.set(info["waiting"])
             self.running.set(info["running"])

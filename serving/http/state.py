@@ -34,6 +34,9 @@ class ServerState:
             "SmolLM2-135M-Instruct" if path is None else Path(path).name.removesuffix(".gguf")
         )
         self._context_len: int | None = None
+        scheduler = self.topology.scheduler
+        self.max_in_flight = scheduler.max_running_requests + scheduler.max_queued_requests
+        self.health = HealthMonitor(self)
 
     @asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
@@ -41,6 +44,7 @@ class ServerState:
         while the scheduler restarts; then count as a request in flight."""
         gate, status = self.runtime.gate, self.runtime.status
         wait = self.topology.server.request_wait
+        self.refuse_if_overloaded()
         while True:
             with trio.move_on_after(wait):
                 await gate.wait_open()
@@ -56,6 +60,15 @@ class ServerState:
                 break
         with gate.reading():
             yield
+
+    def refuse_if_overloaded(self) -> None:
+        """503 at once, before any work (the body is not even read), when as many requests are in
+        flight as the scheduler runs and queues, or when the event loop already runs late."""
+        readers = self.runtime.gate.readers
+        if readers >= self.max_in_flight:
+            raise BadRequest(f"server overloaded: {readers} requests in flight", status=503)
+        if self.health.loop_lag > self.topology.server.max_loop_lag:
+            raise BadRequest(f"server overloaded: it answers {self.health.loop_lag * 1000:.0f} ms late", status=503)
 
     async def set_paused(self, paused: bool) -> None:
         try:
@@ -93,20 +106,30 @@ class ServerState:
                              status=404)
 
     async def call(self, msg: Any, *, timeout: float = 10.0) -> Any:
-        return await self.runtime.tokenizer_manager.call_scheduler(msg, timeout=timeout)
+        """Ask the scheduler; 503 when it does not answer (restarting, or swamped)."""
+        try:
+            return await self.runtime.tokenizer_manager.call_scheduler(msg, timeout=timeout)
+        except CallError as exc:
+            raise BadRequest(f"the scheduler does not answer: {exc}", status=503) from None
 
     async def context_len(self) -> int:
         """The longest sequence the scheduler serves (asked once: a restart keeps the model)."""
         if self._context_len is None:
-            try:
-                info = await self.call(ServerInfoReq(), timeout=10.0)
-            except CallError as exc:
-                raise BadRequest(f"the scheduler does not answer: {exc}", status=503) from None
-            self._context_len = int(info["max_context_len"])
+            self._context_len = int((await self.call(ServerInfoReq(), timeout=10.0))["max_context_len"])
         return self._context_len
 
+    def quick_health(self) -> str | None:
+        """None when the server is healthy as last seen (at most ``HEALTH_INTERVAL`` ago), else why
+        not; answers at once, whatever the load (/health)."""
+        status = self.runtime.status
+        if status.failure is not None:
+            return f"the server failed: {status.failure}"
+        if not status.scheduler_running():
+            return "scheduler restarting"
+        return self.health.problem()
+
     async def health_problem(self) -> str | None:
-        """None when the scheduler really answers, else why not."""
+        """None when the scheduler and the detokenizer answer now, else why not."""
         status = self.runtime.status
         if status.failure is not None:
             return f"the server failed: {status.failure}"
@@ -122,3 +145,53 @@ class ServerState:
         except CallError as exc:
             return f"detokenizer does not answer: {exc}"
         return None
+
+
+HEALTH_INTERVAL = 1.0  # how often the monitor asks the scheduler and the detokenizer
+HEALTH_STALE = 10.0  # no answer for this long: unhealthy, even while a probe is still waiting
+
+
+class HealthMonitor:
+    """Asks the scheduler and the detokenizer every ``HEALTH_INTERVAL`` s, and measures how
+    late the event loop runs (``loop_lag``), so that /health answers from what it saw
+    without waiting on a busy mailbox, and admission can refuse work before the loop saturates."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.last_problem: str | None = None
+        self.info: dict[str, Any] | None = None  # the scheduler's last ServerInfoReq answer (for /metrics)
+        self.answered_at = trio.current_time()
+        self.loop_lag = 0.0  # seconds, a moving average of how late a 50 ms sleep wakes
+
+    def problem(self) -> str | None:
+        silent = trio.current_time() - self.answered_at
+        if silent > HEALTH_STALE:
+            return f"the scheduler or the detokenizer has not answered for {silent:.0f} s"
+        return self.last_problem
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        await self._probe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._measure_lag)
+            task_status.started()
+            while True:
+                await trio.sleep(HEALTH_INTERVAL)
+                await self._probe()
+
+    async def _probe(self) -> None:
+        tm = self.state.runtime.tokenizer_manager
+        try:
+            self.info = await tm.call_scheduler(ServerInfoReq(), timeout=5.0)
+            await tm.call_detokenizer(DetokenizerInfoReq(), timeout=5.0)
+        except CallError as exc:
+            self.last_problem = f"the scheduler or the detokenizer does not answer: {exc}"
+            return
+        self.last_problem = None
+        self.answered_at = trio.current_time()
+
+    async def _measure_lag(self) -> None:
+        while True:
+            start = trio.current_time()
+            await trio.sleep(0.05)
+            late = trio.current_time() - start - 0.05
+            self.loop_lag = 0.7 * self.loop_lag + 0.3 * late

@@ -65,6 +65,7 @@ class SubRequest:
     sampling: SamplingParams  # n = 1, seed fixed (a resume samples the same)
 
 
+GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM treats it)
 # above this many characters of prompt text, tokenizing runs in a worker thread
 LARGE_INPUT_CHARS = 16_384
 
@@ -106,6 +107,8 @@ class Expander:
         for rid, ids, p in zip(rids, prompts, params):
             if p.max_new_tokens is None:  # up to the context window
                 p = msgspec.structs.replace(p, max_new_tokens=self._room_after(len(ids)))
+            if 0 < p.temperature < GREEDY_BELOW:  # 1/temperature would overflow: it means greedy
+                p = msgspec.structs.replace(p, temperature=0.0)
             self._check(p, len(ids))
             for k in range(p.n):
                 seed = p.seed + k if p.seed is not None else (random_seed() if p.temperature > 0 else None)

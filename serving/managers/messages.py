@@ -62,7 +62,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=100.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]  # near 0 its division overflows
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # frequency and presence, as OpenAI
 StopString = Annotated[str, msgspec.Meta(min_length=1)]  # count and length: bounded by the server's limits
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]

@@ -9,7 +9,9 @@ step that never returns crashes the actor into a restart.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
 from typing import Any
 
@@ -73,6 +75,39 @@ def resolve_device(device: str) -> str:
     return device
 
 
+class _StepThreads:
+    """Model steps running in worker threads, and waiting for them at interpreter exit:
+    a step abandoned by a cancelled actor goes on in its (daemon) thread, and a thread
+    still inside torch when the interpreter finalizes aborts the process. So exit waits
+    for running steps, and the last step's model is kept here: the worker thread must
+    never drop the last reference to its tensors (freeing them in the thread, during
+    finalization, aborts too)."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._changed = threading.Condition()
+        self._last: Any = None
+        atexit.register(self.wait, 30.0)
+
+    def run(self, step: Any, *args: Any) -> Any:
+        with self._changed:
+            self._running += 1
+            self._last = step
+        try:
+            return step(*args)
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._running == 0, timeout)
+
+
+STEP_THREADS = _StepThreads()  # one per process: it guards the process's exit
+
+
 class Scheduler(Actor):
     inbox = SchedulerInbox
 
@@ -82,6 +117,9 @@ class Scheduler(Actor):
         self.state: BatchState | None = None
         self._wakeup = trio.Event()
         self._pending: list[Output] = []  # ends decided between steps, sent with the next batch
+        self._stopping = False
+        self._idle = trio.Event()  # no step in progress
+        self._idle.set()
         self.steps = 0
         self.started_at = time.time()
 
@@ -194,10 +232,21 @@ class Scheduler(Actor):
 
     # -- the loop -----------------------------------------------------------------------
 
+    async def on_stop(self) -> None:
+        """An orderly stop: no new step; the one in progress finishes (a thread left inside
+        the model when the process exits aborts it)."""
+        self._stopping = True
+        self._wakeup.set()
+        with trio.move_on_after(self.config.step_timeout):
+            await self._idle.wait()
+
     async def _loop(self) -> None:
         state, runner = self.state, self.runner
         while True:
             self._wakeup = trio.Event()  # before scheduling: a message from now on wakes us
+            if self._stopping:
+                self._idle.set()
+                await trio.sleep_forever()
             batch = state.schedule()
             for output in state.take_refused():  # requests that could not be laid out for the step
                 self._end(output)
@@ -205,11 +254,14 @@ class Scheduler(Actor):
                 await self._flush([])
                 await self._wakeup.wait()
                 continue
+            self._idle = trio.Event()
             with self.watchdog.step():
                 try:
-                    sampled = await trio.to_thread.run_sync(runner.step, batch.seqs, abandon_on_cancel=True)
+                    sampled = await trio.to_thread.run_sync(STEP_THREADS.run, runner.step, batch.seqs,
+                                                            abandon_on_cancel=True)
                 except Exception as exc:  # noqa: BLE001 - find out whose fault it is
                     sampled = await self._isolate(batch, exc)
+            self._idle.set()
             self.steps += 1
             await self._flush(state.postprocess(batch, sampled))
 
@@ -222,7 +274,8 @@ class Scheduler(Actor):
         failed: list[tuple[int, Exception]] = []
         for i, seq in enumerate(batch.seqs):
             try:
-                one = await trio.to_thread.run_sync(self.runner.step, [seq], abandon_on_cancel=True)
+                one = await trio.to_thread.run_sync(STEP_THREADS.run, self.runner.step, [seq],
+                                                    abandon_on_cancel=True)
             except Exception as exc:  # noqa: BLE001
                 failed.append((i, exc))
                 continue

@@ -142,6 +142,7 @@ class TokenizerManager(Actor):
         self.watchdog = SoftWatchdog("tokenizer manager receive", watchdog_timeout,
                                      busy=lambda: bool(self.rid_to_state), on_fire=self._stalled)
         self._expander: Expander | None = None  # built once the context window is known
+        self._asking = trio.Lock()
         self._probation: trio.CancelScope | None = None
         self._on_trial: ReqState | None = None
         self._no_probation = trio.Event()
@@ -195,15 +196,18 @@ class TokenizerManager(Actor):
     # -- the API -----------------------------------------------------------------------
 
     async def expander(self) -> Expander:
-        """Built on first use, with the context window the scheduler reports."""
+        """Built on first use, with the context window the scheduler reports (one ask, however
+        many requests arrive at once)."""
         if self._expander is None:
-            try:
-                info = await self.call_scheduler(ServerInfoReq(), timeout=10.0)
-            except CallError:  # restarting: check this request without it, ask again next time
-                return Expander(self.tokenizer, self.limits)
-            limits = RequestLimits(self.limits.max_batch_size, self.limits.max_stop_strings,
-                                   self.limits.max_stop_length, int(info["max_context_len"]))
-            self._expander = Expander(self.tokenizer, limits)
+            async with self._asking:
+                if self._expander is None:
+                    try:
+                        info = await self.call_scheduler(ServerInfoReq(), timeout=10.0)
+                    except CallError:  # restarting: check this request without it, ask again next time
+                        return Expander(self.tokenizer, self.limits)
+                    limits = RequestLimits(self.limits.max_batch_size, self.limits.max_stop_strings,
+                                           self.limits.max_stop_length, int(info["max_context_len"]))
+                    self._expander = Expander(self.tokenizer, limits)
         return self._expander
 
     async def expand(self, obj: GenerateInput) -> list[SubRequest]:

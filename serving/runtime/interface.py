@@ -162,6 +162,11 @@ class Gate:
         self._writer_done.set()
 
     @property
+    def readers(self) -> int:
+        """Requests in flight through this gate."""
+        return self._readers
+
+    @property
     def is_open(self) -> bool:
         return self._open.is_set() and self._writer_done.is_set()
 

@@ -52,6 +52,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     admin_api_key: str | None = None  # the admin routes need it (not the api_key) when set
     workers: int = 1  # tokenizer/HTTP worker processes
     request_wait: float = 60.0  # how long a new request waits for a restarting scheduler or a pause
+    max_loop_lag: float = 0.5  # seconds: new requests get 503 while the event loop runs this late
     # bounds on what one request may ask
     max_request_bytes: int | str = "32MiB"  # a larger body is refused with 413, unread
     max_batch_size: int = 256  # prompts in one /generate
@@ -139,6 +140,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (1 <= self.server.max_stop_length <= 65536, "server.max_stop_length", "must be in 1..65536"),
             (self.server.weights_drain_timeout > 0, "server.weights_drain_timeout", "must be > 0"),
             (self.server.request_wait > 0, "server.request_wait", "must be > 0"),
+            (self.server.max_loop_lag > 0, "server.max_loop_lag", "must be > 0"),
             (self.watchdogs.step_timeout > 0, "watchdogs.step_timeout", "must be > 0"),
         ]
         for ok, where, what in problems:

@@ -7,9 +7,9 @@ whenever it runs ends alone with an error; every other request resumes.
 """
 
 import json
-import os
 import subprocess
 import sys
+from functools import partial
 
 import httpx
 import numpy as np
@@ -51,6 +51,7 @@ HOSTILE = [  # (name, (path, body or raw bytes), status, param the error must na
     ("top_k 0", sampling(top_k=0), 400, "sampling_params.top_k"),
     ("top_k 2**40", sampling(top_k=2**40), 400, "sampling_params.top_k"),
     ("repetition_penalty 0", sampling(repetition_penalty=0), 400, "sampling_params.repetition_penalty"),
+    ("repetition_penalty 1e-300", sampling(repetition_penalty=1e-300), 400, "sampling_params.repetition_penalty"),
     ("frequency_penalty 3", sampling(frequency_penalty=3), 400, "sampling_params.frequency_penalty"),
     ("seed 2**64", sampling(seed=2**64), 400, "sampling_params.seed"),
     ("max_new_tokens 2**40", sampling(max_new_tokens=2**40), 400, "sampling_params.max_new_tokens"),
@@ -133,6 +134,9 @@ async def test_hostile_requests_get_4xx_and_harm_nothing(nursery):
             if param is not None:
                 assert error["param"] == param, (name, error)
             assert slowest < 1.0, (name, slowest)
+        # a temperature too small to divide by samples greedily, not garbage
+        tiny = {**GREEDY, "sampling_params": {**GREEDY["sampling_params"], "temperature": 1e-300}}
+        assert (await client.post("/generate", json=tiny)).json()["text"] == before
         # a body streamed without a length is cut off past the bound too
         async def chunks():
             for _ in range(LIMIT // 1024 + 2):
@@ -324,3 +328,22 @@ async def test_requests_larger_than_the_kv_pool_together_never_stall_the_server(
                 await trio.sleep(0.05)
         assert info["retracted"] > 0 and info["max_context_len"] == 128
     assert runtime.status.restarts["scheduler"] == 0
+
+
+async def test_past_the_scheduler_bounds_requests_are_refused_before_any_work(nursery):
+    """2 running + 1 queued: a 4th request is a 503 at once, its body never read."""
+    url, app = await start_server(nursery, **{"scheduler.max_running_requests": 2,
+                                              "scheduler.max_queued_requests": 1})
+    tm = app.state.server.runtime.tokenizer_manager
+    long = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with trio.open_nursery() as inner:
+            for _ in range(3):
+                inner.start_soon(partial(client.post, "/generate", json=long))
+            while len(tm.rid_to_state) < 3:
+                await trio.sleep(0.005)
+            r = await client.post("/generate", content=b"not even JSON")  # refused before it is parsed
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+            assert "3 requests in flight" in r.json()["error"]["message"]
+            assert (await client.get("/health")).status_code == 200
+            inner.cancel_scope.cancel()
