@@ -7,10 +7,13 @@ import os
 import random
 import signal
 
+from functools import partial
+
 import httpx
 import pytest
 import trio
 
+from ..conftest import free_tcp_port
 from .test_http import sse_events, start_server
 
 N_REQUESTS = 32
@@ -30,7 +33,9 @@ def requests_for(rng_seed, n=N_REQUESTS, **sampling):
     ]
 
 
-async def run_all(client, bodies, stream, texts, progress=None):
+async def run_all(client, bodies, stream, texts, progress=None, finishes=None):
+    """Run ``bodies`` at once; ``texts[rid]``: (text, ids) each client received, ``finishes[rid]``
+    (if given): its finish_reason; ``progress``: the rids in the order they ended."""
     async def one(body):
         r = await client.post("/generate", json={**body, "stream": stream})
         assert r.status_code == 200, r.text
@@ -43,10 +48,12 @@ async def run_all(client, bodies, stream, texts, progress=None):
                     continue
                 event = json.loads(block.removeprefix("data: "))
                 assert event["text"].startswith(text), "a streamed text went back on itself"
-                text, ids = event["text"], event["output_ids"]
+                text, ids, finish = event["text"], event["output_ids"], event["meta_info"]["finish_reason"]
         else:
-            text, ids = r.json()["text"], r.json()["output_ids"]
+            text, ids, finish = r.json()["text"], r.json()["output_ids"], r.json()["meta_info"]["finish_reason"]
         texts[body["rid"]] = (text, ids)
+        if finishes is not None:
+            finishes[body["rid"]] = finish
         if progress is not None:
             progress.append(body["rid"])
 
@@ -92,12 +99,54 @@ def assert_clean(app):
     assert engine.tokenizer_manager.rid_to_state == {}
 
 
-def assert_drained(info):
-    """Nothing left downstream (``info``: /server_info): no request in the scheduler,
-    every KV page free or in the prefix cache, no state in the detokenizer."""
+def assert_drained(info, *, stale_outputs=False):
+    """Nothing left downstream (``info``: /server_info): no request in the scheduler, every
+    KV page free or in the prefix cache, and the detokenizer holds no request's state.
+    Unless ``stale_outputs`` (the detokenizer restarted, so the scheduler's outputs for the
+    requests it ran meanwhile met a detokenizer that did not know them; or a stop string
+    ended a request the scheduler ran on for a step), every output the detokenizer got
+    was for a request it knew."""
     assert info["requests_by_worker"] == {} and info["waiting"] == 0 and info["running"] == 0
     assert info["kv_pages_free"] + info["cached_pages"] == info["kv_pages_total"]
-    assert info["detokenizer"] == {"requests": 0, "unknown_rids": info["detokenizer"]["unknown_rids"]}
+    detokenizer = info["detokenizer"]
+    assert detokenizer.get("requests") == 0, detokenizer  # (an "error" key: it did not answer)
+    if not stale_outputs:
+        assert detokenizer["unknown_rids"] == 0, detokenizer
+
+
+async def kill_scheduler_repeatedly(app, client, bodies, texts, kills=3, seed=2):
+    """Kill -9 the scheduler ``kills`` times while ``bodies`` run (``texts``: what run_all
+    collects), struck by progress, not by the clock: first in prefill, once the scheduler
+    holds every request still in flight; then each time the clients received a few more
+    tokens. Fewer kills if every request ended first; how many."""
+    status = app.state.server.runtime.status
+    tm = app.state.server.runtime.tokenizer_manager
+    rng = random.Random(seed)
+
+    def received():
+        return sum(len(s.output_ids) for s in tm.rid_to_state.values()) + sum(len(ids) for _, ids in texts.values())
+
+    count = 0
+    while count < kills and len(texts) < len(bodies):
+        await status.started("scheduler", count + 1)
+        with trio.fail_after(120):
+            if count == 0:
+                while len(texts) < len(bodies):
+                    in_flight = sum(state.finished is None for state in tm.rid_to_state.values())
+                    arrived = len(tm.rid_to_state) + len(texts) == len(bodies)
+                    info = (await client.get("/server_info")).json()
+                    if arrived and info["running"] + info["waiting"] == in_flight:
+                        break
+                    await trio.sleep(0.001)
+            else:
+                target = received() + rng.randint(5, 60)
+                while received() < target and len(texts) < len(bodies):
+                    await trio.sleep(0.001)
+        if len(texts) == len(bodies):
+            break
+        os.kill(scheduler_pid(app), signal.SIGKILL)
+        count += 1
+    return count
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
@@ -105,30 +154,11 @@ async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, ba
     bodies = requests_for(1)
     expected = baseline(bodies)
     url, app = await start_server(nursery, "default", **RECOVERY)
-    texts, done = {}, []
-    rng = random.Random(2)
+    texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         async with trio.open_nursery() as inner:
-            inner.start_soon(run_all, client, bodies, stream, texts, done)
-            tm = app.state.server.runtime.tokenizer_manager
-
-            def received():
-                return sum(len(state.output_ids) for state in tm.rid_to_state.values())
-
-            kills = 0
-            for _ in range(3):  # in prefill, then in decode: struck by progress, not by the clock
-                await app.state.server.runtime.status.started("scheduler", kills + 1)
-                if kills == 0:
-                    while len(tm.rid_to_state) < len(bodies):
-                        await trio.sleep(0.001)
-                else:
-                    target = received() + rng.randint(5, 60)
-                    while received() < target and len(done) < len(bodies):
-                        await trio.sleep(0.001)
-                if len(done) == len(bodies):
-                    break
-                os.kill(scheduler_pid(app), signal.SIGKILL)
-                kills += 1
+            inner.start_soon(run_all, client, bodies, stream, texts)
+            kills = await kill_scheduler_repeatedly(app, client, bodies, texts)
         info = (await client.get("/server_info")).json()
     assert kills == 3 and info["restarts"]["scheduler"] == kills
     assert texts == expected
@@ -136,9 +166,10 @@ async def test_kill_9_the_scheduler_repeatedly_while_32_requests_run(nursery, ba
     assert_drained(info)
 
 
-async def run_with_fault(nursery, bodies, fault, **overrides):
+async def run_with_fault(nursery, bodies, fault, *, stale_outputs=False, **overrides):
     """Stream ``bodies`` through a default-topology server; ``fault(app, client)`` strikes
-    once tokens are flowing. The texts the clients received, and the app."""
+    once tokens are flowing. The texts the clients received, and the app (``stale_outputs``:
+    see assert_drained)."""
     url, app = await start_server(nursery, "default", **RECOVERY, **overrides)
     tm = app.state.server.runtime.tokenizer_manager
     texts = {}
@@ -148,18 +179,112 @@ async def run_with_fault(nursery, bodies, fault, **overrides):
             while not any(state.output_ids for state in tm.rid_to_state.values()):
                 await trio.sleep(0.01)
             await fault(app, client)
-        assert_drained((await client.get("/server_info")).json())
+        assert_drained((await client.get("/server_info")).json(), stale_outputs=stale_outputs)
     return texts, app
 
 
-async def kill_scheduler(app, client):
-    os.kill(scheduler_pid(app), signal.SIGKILL)
+def tcp_links():
+    """Overrides placing the scheduler and the detokenizer in child processes, every link over tcp (loopback)."""
+    return {f"actors.{name}": {"process": process, "address": f"tcp://127.0.0.1:{free_tcp_port()}"}
+            for name, process in (("scheduler", "child"), ("detokenizer", "child"), ("tokenizer", "main"))}
 
 
-async def test_seeded_sampling_survives_kills(nursery, baseline):
+async def test_seeded_sampling_survives_kills_over_tcp(nursery, baseline):
+    """Seeded sampling (temperature 0.8), every link over tcp: three kills -9 of the scheduler,
+    the first in prefill, change no request's text."""
     bodies = requests_for(3, n=8, temperature=0.8, seed=11)
-    texts, _ = await run_with_fault(nursery, bodies, kill_scheduler)
-    assert texts == baseline(bodies)
+    expected = baseline(bodies)
+    url, app = await start_server(nursery, "tcp", **RECOVERY, **tcp_links())
+    assert all(a.startswith("tcp://127.0.0.1:") for a in app.state.server.runtime.addresses.values())
+    texts = {}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(run_all, client, bodies, True, texts)
+            kills = await kill_scheduler_repeatedly(app, client, bodies, texts)
+        info = (await client.get("/server_info")).json()
+    assert kills == 3 and info["restarts"]["scheduler"] == kills
+    assert texts == expected
+    assert len({ids[0] for _, ids in texts.values()}) > 1  # sampled, not one greedy answer
+    assert_drained(info)
+
+
+EOS_PROMPT = [12269]  # the tiny model answers it greedily with 18837, 18837, then its eos (2)
+
+
+def token_stops(ids, *, max_new_tokens, stop_token_ids=(), min_new_tokens=0, eos=(2,)):
+    """Where a greedy answer ``ids`` (generated without stopping) ends: the first eos or stop
+    token once ``min_new_tokens`` were generated (it is part of the output), else the length."""
+    for i, token in enumerate(ids[:max_new_tokens]):
+        if i + 1 >= min_new_tokens and (token in eos or token in stop_token_ids):
+            return ids[: i + 1], {"type": "stop", "matched": token}
+    return ids[:max_new_tokens], {"type": "length", "matched": max_new_tokens}
+
+
+def first_unique(text, start, length=3):
+    """A substring of ``text`` from ``start`` on that occurs there first (a stop string that ends the text there)."""
+    for k in range(start, len(text) - length):
+        piece = text[k : k + length]
+        if piece.strip() == piece and "\ufffd" not in piece and text.find(piece) == k:
+            return k, piece
+    raise AssertionError(f"no stop string to pick in {text!r}")
+
+
+async def test_stops_eos_and_min_tokens_through_kills_equal_a_fault_free_run(nursery, runner, tokenizer):
+    """Requests that end by a stop string (trimmed or kept), a stop token, the eos, and
+    min_new_tokens past an earlier stop token or eos; none ignores the eos. Three kills -9
+    of the scheduler change nothing a client receives: texts, ids and finish reasons equal a
+    fault-free run's, which ends each request where its stop says."""
+    from models.runner import generate
+
+    prompts = [body["input_ids"] for body in requests_for(41, n=6)]
+    refs = [generate(runner, [p], 96)[0] for p in prompts]
+    eos_ref = generate(runner, [EOS_PROMPT], 60)[0]
+    assert eos_ref[:3] == [18837, 18837, 2]  # (the tiny model's weights are seeded: this holds)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in refs]
+    cut, stop = first_unique(texts[0], len(texts[0]) * 3 // 5)
+    kept_cut, kept_stop = first_unique(texts[1], len(texts[1]) * 3 // 5)
+
+    def body(rid, ids, **sampling):
+        return {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 96, "temperature": 0.0, **sampling}}
+
+    bodies = [
+        body("stop-string", prompts[0], stop=[stop]),
+        body("stop-string-kept", prompts[1], stop=[kept_stop], no_stop_trim=True),
+        body("stop-token", prompts[2], stop_token_ids=[refs[2][60]]),
+        body("min-tokens", prompts[3], stop_token_ids=[refs[3][3], refs[3][50]], min_new_tokens=51),
+        body("eos", EOS_PROMPT),
+        body("eos-min-tokens", EOS_PROMPT, min_new_tokens=30, max_new_tokens=60),
+        body("plain", prompts[4]),
+        body("seeded", prompts[5], temperature=0.8, seed=5),
+    ]
+    url, app = await start_server(nursery, "default", **RECOVERY)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        fault_free, fault_free_finishes = {}, {}
+        await run_all(client, bodies, True, fault_free, finishes=fault_free_finishes)
+        texts_after, finishes = {}, {}
+        async with trio.open_nursery() as inner:
+            inner.start_soon(partial(run_all, client, bodies, True, texts_after, finishes=finishes))
+            kills = await kill_scheduler_repeatedly(app, client, bodies, texts_after)
+        info = (await client.get("/server_info")).json()
+
+    # the fault-free run ends each request where its stop says
+    assert fault_free_finishes["stop-string"] == {"type": "stop", "matched": stop}
+    assert fault_free["stop-string"][0] == texts[0][:cut]
+    assert fault_free_finishes["stop-string-kept"] == {"type": "stop", "matched": kept_stop}
+    assert fault_free["stop-string-kept"][0] == texts[1][: kept_cut + len(kept_stop)]
+    for rid, ref, sampling in (("stop-token", refs[2], bodies[2]), ("min-tokens", refs[3], bodies[3]),
+                               ("eos", eos_ref, bodies[4]), ("eos-min-tokens", eos_ref, bodies[5]),
+                               ("plain", refs[4], bodies[6])):
+        ids, finish = token_stops(ref, **{k: v for k, v in sampling["sampling_params"].items() if k != "temperature"})
+        assert (fault_free[rid][1], fault_free_finishes[rid]) == (ids, finish), rid
+    assert len(fault_free["min-tokens"][1]) == 51 and fault_free_finishes["min-tokens"]["type"] == "stop"
+    assert fault_free["eos"][1] == [18837, 18837, 2]
+    assert len(fault_free["eos-min-tokens"][1]) >= 30
+    # and three kills change none of it
+    assert kills == 3 and info["restarts"]["scheduler"] == kills
+    assert texts_after == fault_free
+    assert finishes == fault_free_finishes
+    assert_drained(info, stale_outputs=True)  # the scheduler may have run a step past a stop string
 
 
 async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline):
@@ -167,7 +292,7 @@ async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline):
         os.kill(app.state.server.runtime.supervisor.child("detokenizer").pid, signal.SIGKILL)
 
     bodies = requests_for(4, n=16)
-    texts, app = await run_with_fault(nursery, bodies, kill_detokenizer)
+    texts, app = await run_with_fault(nursery, bodies, kill_detokenizer, stale_outputs=True)
     assert texts == baseline(bodies)
     assert app.state.server.runtime.supervisor.restarts["detokenizer"] == 1
     assert_clean(app)
@@ -262,6 +387,9 @@ async def test_past_the_restart_intensity_requests_fail_fast_and_the_server_exit
                     children.update(pids.values())
                     os.kill(pids["scheduler"], signal.SIGKILL)
                     failed_at = trio.current_time()
+                    with trio.fail_after(10):  # the server has seen the death (before /health can be 200 again)
+                        while (await client.get("/health")).status_code == 200:
+                            await trio.sleep(0.01)
                 with trio.fail_after(5):
                     while len(results) < 4:
                         await trio.sleep(0.01)
