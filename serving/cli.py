@@ -52,6 +52,7 @@ OVERRIDES = {
     "kv_budget": "scheduler.kv_budget",
     "page_size": "scheduler.page_size",
     "schedule_policy": "scheduler.schedule_policy",
+    "enable_deterministic_inference": "scheduler.enable_deterministic_inference",
 }
 
 
@@ -81,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--page-size", type=int)
     serve_p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
     serve_p.add_argument("--tokenizer-worker-num", type=int)
+    serve_p.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
+                         help="batch-invariant kernels: greedy output independent of batching, prefix cache, "
+                              "chunking and crash resume (CPU)")
     serve_p.add_argument("--log-level", default="info")
     return p
 

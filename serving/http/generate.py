@@ -202,22 +202,11 @@ async def generate(request: Request, state: ServerState) -> Response:
 
 
 async def completions(request: Request, state: ServerState) -> Response:
-    state.refuse_if_overloaded()
-    req = await decode_body(request, CompletionRequest)
-    state.check_model(req.model)
-    obj = _convert(completion_input, req)
-    prompts = 1 if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) else len(req.prompt)
-    responder = Responder("completion", state.model_name, state.runtime.tokenizer, prompts * req.n, req.n)
-    return await _openai(request, state, responder, obj, req)
+    return await _openai(request, state, "completion", CompletionRequest, completion_input)
 
 
 async def chat_completions(request: Request, state: ServerState) -> Response:
-    state.refuse_if_overloaded()
-    req = await decode_body(request, ChatRequest)
-    state.check_model(req.model)
-    obj = _convert(chat_input, req)
-    responder = Responder("chat", state.model_name, state.runtime.tokenizer, req.n, req.n)
-    return await _openai(request, state, responder, obj, req)
+    return await _openai(request, state, "chat", ChatRequest, chat_input)
 
 
 def _convert(fn: Callable[[Any], GenerateInput], req: Any) -> GenerateInput:
@@ -231,8 +220,16 @@ def _convert(fn: Callable[[Any], GenerateInput], req: Any) -> GenerateInput:
         raise BadRequest(str(exc), param_of(str(exc))) from None
 
 
-async def _openai(request: Request, state: ServerState, responder: Responder, obj: GenerateInput,
-                  req: Any) -> Response:
+async def _openai(request: Request, state: ServerState, kind: str, shape: type,
+                  convert: Callable[[Any], GenerateInput]) -> Response:
+    state.refuse_if_overloaded()
+    req = await decode_body(request, shape)
+    state.check_model(req.model)
+    obj = _convert(convert, req)
+    prompts = 1
+    if kind == "completion" and not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))):
+        prompts = len(req.prompt)
+    responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run_request(
         request, state, obj, responder.whole, responder.stream_chunk,

@@ -58,6 +58,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     chunked_prefill_size: int = 512
     schedule_policy: str = "fcfs"
     enable_prefix_cache: bool = True
+    deterministic: bool = False  # batch-invariant kernels: the same logits whatever else runs
     step_timeout: float = 120.0
     detokenizer: str = "inproc://detokenizer"
 
@@ -65,7 +66,8 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
 def build_runner(config: SchedulerConfig) -> ModelRunner:
     loaded = tiny_model() if config.model == "tiny" else load_model(config.model)
     return ModelRunner(loaded, dtype=getattr(torch, config.dtype), device=resolve_device(config.device),
-                       page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes)
+                       page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
+                       deterministic=config.deterministic)
 
 
 def resolve_device(device: str) -> str:

@@ -10,7 +10,6 @@ only reads and checks; ``serving.runtime.launch`` starts what it describes.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ import msgspec
 import yaml
 
 from actors import WatchdogTimeout
-from transports import CurveConfig, HubOptions
+from transports import Address, AddressError, CurveConfig, HubOptions
 
 from ..managers.messages import RuntimeStatus
 from ..managers.scheduler import SchedulerConfig
@@ -71,6 +70,9 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     chunked_prefill_size: int = 512
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     enable_prefix_cache: bool = True
+    # batch-invariant kernels (SGLang's --enable-deterministic-inference): a request's greedy output
+    # is the same whatever else runs, and a resumed stream continues with exactly its text
+    enable_deterministic_inference: bool = False
 
 
 class SupervisionSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -158,7 +160,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                                     "inproc://NAME, ipc:///PATH or tcp://HOST:PORT")
             if placement.process == "child" and placement.address.startswith("inproc://"):
                 raise TopologyError(f"actors.{name}: a child process cannot be reached over inproc://")
-            if placement.address.startswith("tcp://") and not _loopback(placement.address) \
+            if placement.address.startswith("tcp://") and not _loopback(placement.address, f"actors.{name}") \
                     and self.transport.curve is None and not self.transport.allow_insecure:
                 raise TopologyError(f"actors.{name}.address: {placement.address} is not a loopback address: "
                                     "secure it with transport.curve, or set transport.allow_insecure: true")
@@ -212,19 +214,17 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             kv_budget_bytes=parse_size(s.kv_budget, "scheduler.kv_budget"),
             max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
             chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
-            enable_prefix_cache=s.enable_prefix_cache, step_timeout=self.watchdogs.step_timeout,
+            enable_prefix_cache=s.enable_prefix_cache, deterministic=s.enable_deterministic_inference,
+            step_timeout=self.watchdogs.step_timeout,
             detokenizer=detokenizer,
         )
 
 
-def _loopback(address: str) -> bool:
-    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
+def _loopback(address: str, field: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        return Address.parse(address).is_loopback
+    except AddressError as exc:
+        raise TopologyError(f"{field}.address: {exc}") from None
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

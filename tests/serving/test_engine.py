@@ -1,5 +1,6 @@
 """The three managers together, in one process (inproc) and in three (ipc)."""
 
+import math
 import random
 
 import pytest
@@ -40,20 +41,36 @@ async def test_streaming_concatenation_equals_the_whole_text():
     sampling = SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
     async with open_engine("tiny") as engine:
         whole = await engine.generate(["Bonjour 你好 👍"] * 3, sampling)
-        pieces: dict[int, list[str]] = {}
+        chunks: dict[int, list] = {}
         obj = GenerateInput(text=["Bonjour 你好 👍"] * 3, sampling_params=sampling, stream=True)
         async for chunk in engine.stream(obj):
-            pieces.setdefault(chunk.index, []).append(chunk.text)
+            chunks.setdefault(chunk.index, []).append(chunk)
             assert "\ufffd" not in chunk.text
-    assert ["".join(pieces[i]) for i in range(3)] == [r["text"] for r in whole]
+    assert ["".join(c.text for c in chunks[i]) for i in range(3)] == [r["text"] for r in whole]
+    assert all(len(chunks[i]) > 1 for i in range(3))  # really streamed
+    # fold makes of the streamed chunks what the non-streamed call returned
+    folded = [fold(chunks[i]) for i in range(3)]
+    mine = {"rid": None, "cached_tokens": None}  # the streamed run hit the prefix cache the first one filled
+    assert [{**f, **mine} for f in folded] == [{**r, **mine} for r in whole]
+    assert [len(f["output_ids"]) for f in folded] == [40] * 3
 
 
 async def test_n_samples_and_batches_return_every_output():
-    async with open_engine("tiny") as engine:
-        results = await engine.generate(["a", "b"], {"max_new_tokens": 4, "n": 3, "temperature": 0.7, "seed": 1})
-        assert len(results) == 6 and all(len(r["output_ids"]) <= 4 for r in results)
-        again = await engine.generate(["a", "b"], {"max_new_tokens": 4, "n": 3, "temperature": 0.7, "seed": 1})
-        assert [r["output_ids"] for r in again] == [r["output_ids"] for r in results]
+    """n samples of a prompt are n draws (seeds seed, seed+1, ...): they differ at temperature
+    > 0, each prompt's samples equal those of the prompt sent alone, and the same seed gives the
+    same samples again. (float32: a sample near a tie must not flip with the batch's rounding.)"""
+    params = {"max_new_tokens": 4, "n": 3, "temperature": 0.7, "seed": 1, "ignore_eos": True}
+    async with open_engine("tiny", dtype="float32") as engine:
+        results = await engine.generate(["a", "b"], params)
+        samples = [r["output_ids"] for r in results]
+        assert len(samples) == 6 and all(len(ids) == 4 for ids in samples)
+        assert len({tuple(ids) for ids in samples[:3]}) == 3 and len({tuple(ids) for ids in samples[3:]}) == 3
+        alone = [r["output_ids"] for prompt in ("a", "b") for r in await engine.generate([prompt], params)]
+        assert samples == alone
+        again = await engine.generate(["a", "b"], params)
+        assert [r["output_ids"] for r in again] == samples
+        greedy = await engine.generate(["a"], {**params, "temperature": 0.0})
+        assert len({tuple(r["output_ids"]) for r in greedy}) == 1  # greedy: n times the same answer
 
 
 async def test_duplicate_and_invalid_requests_are_refused():
@@ -107,42 +124,87 @@ async def test_retract_under_small_kv_budget_completes_everything(tiny_loaded):
     assert info["retracted"] > 0
 
 
+LIVE = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}  # far longer than any check
+
+
+async def wait_until_idle(engine):
+    """Until neither the scheduler nor the detokenizer holds a request (aborts travel on after
+    their callers ended); the scheduler's info."""
+    detokenizer = engine.runtime.supervisor.child("detokenizer").actor
+    with trio.fail_after(30):
+        while (info := await engine.tokenizer_manager.call_scheduler(ServerInfoReq()))["running"] \
+                or info["waiting"] or detokenizer.states:
+            await trio.sleep(0.01)
+    return info
+
+
+async def test_aborting_a_live_request_ends_it_everywhere():
+    async with open_engine("tiny") as engine:
+        tm = engine.tokenizer_manager
+        obj = GenerateInput(input_ids=[5, 6, 7], rid="live", stream=True, sampling_params=SamplingParams(**LIVE))
+        chunks = []
+        with trio.fail_after(60):
+            async for chunk in tm.generate(obj):
+                chunks.append(chunk)
+                if len(chunks) == 3:  # it streams: abort it on its own tokenizer manager
+                    assert await tm.abort("live") is True
+        assert chunks[-1].finished.type == "abort" and chunks[-1].finished.message == "aborted by request"
+        assert 0 < sum(len(c.token_ids) for c in chunks) < LIVE["max_new_tokens"]
+        assert await tm.abort("live") is False  # ended: nothing left to abort
+        info = await wait_until_idle(engine)
+        assert info["aborted"] == 1  # the scheduler ended it (it did not run out its tokens)
+        assert tm.rid_to_state == {}
+
+
 async def test_many_requests_with_random_aborts_leave_nothing_behind():
+    """400 streams: a tenth aborted by rid while they stream (they end with finish reason abort),
+    some left by their caller at a random moment; every other one ends with all its tokens.
+    Afterwards the tokenizer manager, the scheduler, the KV pool and the detokenizer hold nothing."""
     rng = random.Random(9)
+    ends, aborted = {}, set()
     async with open_engine("tiny", max_running_requests=32) as engine:
         tm = engine.tokenizer_manager
 
         async def one(i):
+            victim = rng.random() < 0.1
+            leave = not victim and rng.random() < 0.2
+            sampling = LIVE if victim else {"max_new_tokens": rng.randint(1, 6), "temperature": 0.0,
+                                            "ignore_eos": True}
             obj = GenerateInput(input_ids=random_prompts(1, seed=i, lengths=(2, 12))[0],
-                                sampling_params=SamplingParams(max_new_tokens=rng.randint(1, 6), temperature=0.0),
-                                rid=f"r{i}", stream=True)
-            with trio.move_on_after(rng.choice([0.0, 0.001, 0.01, 10.0])):
-                async for _ in tm.generate(obj):
-                    pass
-            if rng.random() < 0.1:
-                await tm.abort(f"r{i}")
+                                sampling_params=SamplingParams(**sampling), rid=f"r{i}", stream=True)
+            ids = []
+            with trio.move_on_after(rng.choice([0.0, 0.001, 0.01]) if leave else math.inf):
+                async for chunk in tm.generate(obj):
+                    ids += chunk.token_ids
+                    if victim and ids and f"r{i}" not in aborted:  # live: it has streamed
+                        aborted.add(f"r{i}")
+                        assert await tm.abort(f"r{i}") is True
+                    if chunk.finished is not None:
+                        ends[f"r{i}"] = (chunk.finished.type, len(ids), sampling["max_new_tokens"])
 
-        async with trio.open_nursery() as nursery:
-            for i in range(1000):
-                nursery.start_soon(one, i)
-                if i % 50 == 0:
-                    await trio.sleep(0)
+        with trio.fail_after(300):
+            async with trio.open_nursery() as nursery:
+                for i in range(400):
+                    nursery.start_soon(one, i)
+                    if i % 50 == 0:
+                        await trio.sleep(0)
         assert tm.rid_to_state == {}
-        for _ in range(100):  # aborts travel on; wait for the scheduler to settle
-            info = await tm.call_scheduler(ServerInfoReq())
-            if info["running"] == 0 and info["waiting"] == 0:
-                break
-            await trio.sleep(0.05)
-        assert info["running"] == info["waiting"] == 0
+        assert len(aborted) > 20
+        assert all(ends[rid][0] == "abort" and ends[rid][1] < LIVE["max_new_tokens"] for rid in aborted)
+        finished = [end for rid, end in ends.items() if rid not in aborted]
+        assert len(finished) > 200
+        assert all(kind == "length" and n == wanted for kind, n, wanted in finished)
+        info = await wait_until_idle(engine)
+        assert info["aborted"] >= len(aborted)
         assert await tm.call_scheduler(FlushCacheReq())
         info = await tm.call_scheduler(ServerInfoReq())
         assert info["kv_pages_free"] == info["kv_pages_total"]
-        detok = engine.runtime.supervisor.child("detokenizer").actor
-        assert detok.states == {}
 
 
 def test_sync_engine():
+    from serving.managers import tokenizer_manager
+
     with Engine("tiny") as engine:
         out = engine.generate(["hello"], GREEDY)
     assert len(out[0]["output_ids"]) == 12
-    assert fold  # the folding helper is public
+    assert "fold" in tokenizer_manager.__all__  # the folding helper is public (its result: see the streaming test)

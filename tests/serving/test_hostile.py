@@ -21,7 +21,7 @@ from serving.managers.messages import GenerateReq, SamplingParams
 from ..conftest import free_tcp_port
 from .faults import LATE, LATE_POISON, POISON
 from .test_http import sse_events, start_server
-from .test_recovery import baseline, requests_for, run_all, runner  # noqa: F401 - fixtures
+from .test_recovery import baseline, requests_for, run_all, runner, wait_until_healthy  # noqa: F401 - fixtures
 
 GREEDY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
 LIMIT = 64 * 1024  # server.max_request_bytes of the hostile server
@@ -245,14 +245,7 @@ async def test_a_poison_request_is_quarantined_and_the_others_finish(tmp_path, b
               "sampling_params": {"max_new_tokens": 96, "ignore_eos": True, "temperature": 0.0}}
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            with trio.fail_after(120):
-                while True:
-                    try:
-                        if (await client.get("/health")).status_code == 200:
-                            break
-                    except httpx.ConnectError:
-                        pass
-                    await trio.sleep(0.1)  # the server is starting in another process
+            await wait_until_healthy(client)
             texts, poisoned = {}, {}
 
             async def poisoned_request():
@@ -347,3 +340,40 @@ async def test_past_the_scheduler_bounds_requests_are_refused_before_any_work(nu
             assert "3 requests in flight" in r.json()["error"]["message"]
             assert (await client.get("/health")).status_code == 200
             inner.cancel_scope.cancel()
+
+
+async def test_health_fails_while_the_detokenizer_does_not_answer(nursery):
+    import os
+    import signal
+
+    url, app = await start_server(nursery, "default")
+    pid = app.state.server.runtime.supervisor.child("detokenizer").pid
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        assert (await client.get("/health")).status_code == 200
+        os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
+        try:
+            with trio.fail_after(30):
+                while (r := await client.get("/health")).status_code == 200:
+                    await trio.sleep(0.1)
+            assert r.status_code == 503 and "detokenizer" in r.text, r.text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with trio.fail_after(30):
+            while (await client.get("/health")).status_code != 200:
+                await trio.sleep(0.1)
+
+
+async def test_pause_holds_health_generate_and_a_paused_request_waits_only_so_long(nursery):
+    url, app = await start_server(nursery, **{"server.request_wait": 1.0})
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        assert (await client.get("/health_generate")).status_code == 200
+        assert (await client.post("/pause_generation")).status_code == 200
+        r = await client.get("/health_generate")
+        assert r.status_code == 503 and "paused" in r.text
+        start = trio.current_time()
+        r = await client.post("/generate", json=GREEDY)
+        assert r.status_code == 503 and "paused" in r.json()["error"]["message"]
+        assert 1.0 <= trio.current_time() - start < 5.0
+        assert (await client.post("/continue_generation")).status_code == 200
+        assert (await client.get("/health_generate")).status_code == 200
+        assert (await client.post("/generate", json=GREEDY)).status_code == 200

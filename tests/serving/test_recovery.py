@@ -90,6 +90,18 @@ def baseline(runner, tokenizer):
     return expected
 
 
+async def wait_until_healthy(client, timeout=120):
+    """Until /health is 200: the server is starting in another process."""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.ConnectError:
+                pass
+            await trio.sleep(0.1)
+
+
 def scheduler_pid(app):
     return app.state.server.runtime.supervisor.child("scheduler").pid
 
@@ -350,14 +362,7 @@ async def test_past_the_restart_intensity_requests_fail_fast_and_the_server_exit
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            with trio.fail_after(120):
-                while True:
-                    try:
-                        if (await client.get("/health")).status_code == 200:
-                            break
-                    except httpx.ConnectError:
-                        pass
-                    await trio.sleep(0.1)  # the server is starting in another process
+            await wait_until_healthy(client)
             results = {}
 
             streaming = trio.Semaphore(0)
