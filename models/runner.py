@@ -75,6 +75,7 @@ class SeqInput:
     params: SamplingParams = GREEDY
     prompt_ids: Sequence[int] = ()  # for the repetition penalty
     output_ids: Sequence[int] = ()  # tokens generated so far (penalties)
+    allowed: torch.Tensor | None = None  # the next token's bitmask (a grammar's), see sampling.sample
 
 
 @dataclass
@@ -153,7 +154,7 @@ class ModelRunner:
             logits, [s.params for s in picked],
             [s.num_cached + len(s.token_ids) for s in picked],
             [s.prompt_ids for s in picked], [s.output_ids for s in picked],
-            deterministic=self.deterministic,
+            deterministic=self.deterministic, allowed=[s.allowed for s in picked],
         )
         for k, j in enumerate(wanted):
             i = order[j]

@@ -30,6 +30,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # on output tokens, once
     seed: int | None = None
     top_logprobs: int = 0  # how many alternatives to report per token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits (OpenAI's)
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
@@ -80,8 +81,15 @@ def sample(
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
     deterministic: bool = False,
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> Sampled:
     """Draw one token per row of `logits` [B, vocab] (float32).
+
+    `allowed[i]`, when given and not None, is row i's bitmask of the tokens it
+    may draw (int32 words, bit j of word w allows token 32 * w + j; a grammar's
+    next-token mask): every other token gets -inf before the draw. Logit bias
+    and the mask change what is drawn, not the logprobs reported (those are the
+    model's own distribution, as vLLM reports them by default).
 
     `positions[i]` is the position of the token being drawn (= tokens
     before it), which with the row's seed fixes its randomness. With
@@ -98,6 +106,10 @@ def sample(
         table, log_total = raw, torch.logsumexp(raw, dim=-1, keepdim=True)
     if any(p.has_penalties for p in params):
         logits = _apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if any(p.logit_bias for p in params):
+        logits = _apply_bias(logits.clone() if logits is raw else logits, params)
+    if allowed is not None and any(m is not None for m in allowed):
+        logits = _apply_masks(logits.clone() if logits is raw else logits, allowed)
     chosen = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -118,6 +130,31 @@ def _logprobs_at(table, log_total, ids):
     """Logprobs of token `ids` [B, k]: from log_softmax (`log_total` None) or logits - logsumexp."""
     picked = table.gather(1, ids)
     return picked if log_total is None else picked - log_total
+
+
+def _apply_bias(logits, params):
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=logits.device))
+    return logits
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bool row [vocab] from int32 bitmask words (bit j of word w: token 32 * w + j)."""
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
+    flat = bits.reshape(-1).bool()
+    if flat.numel() >= vocab:
+        return flat[:vocab]
+    return torch.cat([flat, flat.new_zeros(vocab - flat.numel())])  # tokens past the mask: not allowed
+
+
+def _apply_masks(logits, allowed):
+    vocab = logits.shape[-1]
+    for i, words in enumerate(allowed):
+        if words is not None:
+            logits[i].masked_fill_(~unpack_bitmask(words, vocab), float("-inf"))
+    return logits
 
 
 def _apply_penalties(logits, params, prompt_ids, output_ids):

@@ -131,3 +131,20 @@ def test_resuming_from_generated_tokens_draws_the_same(tiny_llama):
     assert head + tail == whole
     reseeded = generate(runner, [prompt], 10, SamplingParams(temperature=0.9, seed=43))[0]
     assert reseeded != whole
+
+
+def test_logit_bias_and_an_allowed_mask_change_the_draw_not_the_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 70)
+    only_5 = torch.zeros(3, dtype=torch.int32)
+    only_5[0] = 1 << 5
+    only_65 = torch.zeros(3, dtype=torch.int32)
+    only_65[2] = 1 << 1
+    params = [GREEDY, SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), SamplingParams(seed=3), GREEDY]
+    out = sample(logits, params, [0] * 4, [()] * 4, [()] * 4, allowed=[only_5, None, only_65, None])
+    assert out.token_ids == [5, 7, 65, int(logits[3].argmax())]
+    model = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(torch.tensor(out.logprobs), model[torch.arange(4), torch.tensor(out.token_ids)], atol=1e-5)
+    for _ in range(20):  # sampled rows stay inside the mask
+        seeded = [SamplingParams(seed=s) for s in range(4)]
+        assert sample(logits, seeded, [1] * 4, [()] * 4, [()] * 4, allowed=[only_5] * 4).token_ids == [5] * 4
