@@ -138,16 +138,41 @@ def test_stop_conditions(runner):
     p = prompts(1, seed=4)[0]
     ref = reference(runner, p, 8)
     state = make_state(runner)
+    stops = [ref[0], ref[3]]  # the first would end the answer at once
     state.add(req("tok", p, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[ref[3]])))
     state.add(req("len", p, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)))
-    state.add(req("min", p, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[ref[0]],
-                                            min_new_tokens=2)))
+    state.add(req("early", p, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=stops)))
+    state.add(req("min", p, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=stops,
+                                            min_new_tokens=4)))
     out = drain(state, runner)
     first = ref.index(ref[3])
     assert out["tok"]["ids"] == ref[: first + 1]
     assert out["tok"]["finished"] == FinishReason("stop", matched=ref[3])
     assert out["len"]["ids"] == ref[:5] and out["len"]["finished"].type == "length"
-    assert len(out["min"]["ids"]) >= 2
+    assert out["early"]["ids"] == ref[:1] and out["early"]["finished"] == FinishReason("stop", matched=ref[0])
+    # min_new_tokens: no stop before the 4th token (the stop token it generated first is kept, as
+    # generated: not masked), and the stop that is due comes right at the 4th
+    assert out["min"]["ids"] == ref[:4] and out["min"]["finished"] == FinishReason("stop", matched=ref[3])
+    assert_pool_clean(state)
+
+
+def test_eos_and_min_new_tokens(runner):
+    """An eos set the greedy answer meets at its 2nd and 4th tokens: the eos ends it at the 2nd;
+    with min_new_tokens=4 right at the 4th; with ignore_eos it runs to its length."""
+    p = prompts(1, seed=4)[0]
+    ref = reference(runner, p, 8)
+    assert ref[0] not in {ref[1], ref[3]}  # (the tiny model's greedy answer to this prompt)
+    radix = RadixCache(runner.kv.free, page_size=runner.kv.page_size)
+    state = BatchState(runner.kv, radix, frozenset({ref[1], ref[3]}), Limits())
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+    state.add(req("eos", p, SamplingParams(**greedy)))
+    state.add(req("min", p, SamplingParams(**greedy, min_new_tokens=4)))
+    state.add(req("ignored", p, SamplingParams(**greedy, min_new_tokens=4, ignore_eos=True)))
+    out = drain(state, runner)
+    assert out["eos"]["ids"] == ref[:2] and out["eos"]["finished"] == FinishReason("stop", matched=ref[1])
+    assert out["min"]["ids"] == ref[:4] and out["min"]["finished"] == FinishReason("stop", matched=ref[3])
+    assert out["ignored"]["ids"] == ref and out["ignored"]["finished"] == FinishReason("length", matched=8)
+    assert_pool_clean(state)
 
 
 def test_limits_reject_with_clear_reasons(runner):
