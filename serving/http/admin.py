@@ -77,6 +77,7 @@ async def server_info(request: Request, state: ServerState) -> Response:
     return JSONResponse({
         "model": state.model_name, "topology": without_secrets(msgspec.to_builtins(runtime.topology)),
         "restarts": runtime.status.restarts, "pids": runtime.status.pids(), "worker": runtime.worker,
+        "admitting": runtime.tokenizer_manager.admitting,  # requests on their way in (e.g. held by a pause)
         "detokenizer": detokenizer, **info,
     })
 

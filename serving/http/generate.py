@@ -88,11 +88,16 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
                       tail: Callable[[], list[Any]] = list, names: dict[str, str] | None = None) -> Response:
     """Generate ``obj``; a JSON response from ``whole`` or an SSE stream of ``piece``s.
     ``names``: what the client calls the fields an error may name (OpenAI's ``max_tokens``)."""
+    tm = state.runtime.tokenizer_manager
     async with AsyncExitStack() as held:
-        gone, _ = await until_disconnected(request, lambda: held.enter_async_context(state.admitted()))
+        admission = tm.admission(obj)  # an /abort_request of its rid ends its wait: it ends unrun
+        held.callback(admission.close)
+        gone = False
+        with admission.scope:
+            gone, _ = await until_disconnected(request, lambda: held.enter_async_context(state.admitted()))
         if gone:  # the client left while its request waited (paused, restarting)
             return Response(status_code=499)
-        stream = await held.enter_async_context(_closing(state.runtime.tokenizer_manager.generate(obj)))
+        stream = await held.enter_async_context(_closing(tm.generate(obj, admission=admission)))
         timer = state.metrics.timer()
         try:
             gone, first = await until_disconnected(request, lambda: _first(stream))

@@ -13,6 +13,17 @@ there is one owner, no leak, and no abort/finish race.
 Each ReqState keeps what a resume needs: prompt ids, the ids and text
 received so far, and sampling parameters with a fixed seed.
 
+Before that, a request on its way in (waiting to be admitted while
+generation is paused or the scheduler restarts, then being tokenized) is an
+``Admission``: an ``abort`` of its rid finds it there, ends its wait, and
+``generate`` then ends it without sending it anywhere.
+
+``request_timeout`` (``server.request_timeout``; off by default): a request
+that hears nothing of its own for that long since its last output or its
+(re)submission — starved in the queue, or lost downstream, while other
+requests' outputs keep the output watchdog fed — ends with a 504 and is
+aborted downstream.
+
 Resume and poison quarantine: after the scheduler or the detokenizer
 restarted, ``resubmit_in_flight`` sends every unfinished request again as
 a new incarnation. Each request counts the crashes it was in flight for.
@@ -53,8 +64,8 @@ from .messages import (
     TokenizerInbox,
 )
 
-__all__ = ["Chunk", "DuplicateRequestError", "GenerateInput", "InvalidRequest", "ReqState", "RequestLimits",
-           "TokenizerManager", "fold"]
+__all__ = ["Admission", "Chunk", "DuplicateRequestError", "GenerateInput", "InvalidRequest", "ReqState",
+           "RequestLimits", "TokenizerManager", "fold"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +117,7 @@ class ReqState:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    heard_at: float = 0.0  # trio time of its last output or (re)submission (request_timeout)
 
     @property
     def wire_rid(self) -> str:
@@ -119,12 +131,33 @@ class ReqState:
         self.notify()
 
 
+class Admission:
+    """A request on its way in, from its arrival until ``generate`` has its sub-requests
+    (``TokenizerManager.admission``): an abort of one of its ``rids`` ends it here — its
+    wait (run it in ``scope``) is cancelled and ``generate`` ends it unrun (``ended``)."""
+
+    def __init__(self, rids: list[str], registry: set[Admission]) -> None:
+        self.rids = rids
+        self.scope = trio.CancelScope()
+        self.ended: FinishReason | None = None
+        self._registry = registry
+        registry.add(self)
+
+    def abort(self, message: str) -> None:
+        self.ended = FinishReason("abort", message=message)
+        self.scope.cancel()
+        self.close()
+
+    def close(self) -> None:
+        self._registry.discard(self)
+
+
 class TokenizerManager(Actor):
     inbox = TokenizerInbox
 
     def __init__(self, tokenizer: Any, *, scheduler: str, detokenizer: str | None = None, worker: int = 0,
                  watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
-                 quarantine_after: int = 2,
+                 quarantine_after: int = 2, request_timeout: float | None = None,
                  on_stall: Callable[[WatchdogTimeout], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
         self.tokenizer = tokenizer
@@ -133,7 +166,9 @@ class TokenizerManager(Actor):
         self.worker = worker
         self.limits = limits
         self.quarantine_after = quarantine_after
+        self.request_timeout = request_timeout
         self.rid_to_state: dict[str, ReqState] = {}
+        self._admissions: set[Admission] = set()
         self._by_wire_rid: dict[str, ReqState] = {}
         self.resumed = 0
         self.quarantined = 0
@@ -151,6 +186,8 @@ class TokenizerManager(Actor):
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
         await ctx.nursery.start(self.watchdog.run)
+        if self.request_timeout is not None:
+            ctx.nursery.start_soon(self._end_unheard, self.request_timeout)
 
     def _stalled(self, report: WatchdogTimeout) -> None:
         log.error("no output for %g s with %d requests in flight", report.timeout, len(self.rid_to_state))
@@ -169,12 +206,13 @@ class TokenizerManager(Actor):
                     await self.on_status(msg)
 
     def _handle_batch_output(self, out: BatchStrOut) -> None:
-        now = time.monotonic()
+        now, heard = time.monotonic(), trio.current_time()
         for i, wire_rid in enumerate(out.rids):
             state = self._by_wire_rid.get(wire_rid)
             if state is None or state.finished is not None:
                 continue  # gone (its caller left), or an incarnation a resume replaced
             ids, text = out.new_token_ids[i], out.texts[i]
+            state.heard_at = heard
             state.text += text
             state.output_ids.extend(ids)
             state.finished = out.finished[i]
@@ -218,8 +256,22 @@ class TokenizerManager(Actor):
             return await trio.to_thread.run_sync(expander.expand, obj)
         return expander.expand(obj)
 
-    async def generate(self, obj: GenerateInput) -> AsyncIterator[Chunk]:
-        subs = await self.expand(obj)
+    def admission(self, obj: GenerateInput) -> Admission:
+        """``obj`` is on its way in: until ``generate(obj, admission=...)`` has its sub-requests, an
+        abort of its rid (as the client gave it) ends it (close it on every other way out)."""
+        return Admission([obj.rid] if isinstance(obj.rid, str) else list(obj.rid or []), self._admissions)
+
+    @property
+    def admitting(self) -> int:
+        """Requests on their way in (waiting to be admitted, or being tokenized)."""
+        return len(self._admissions)
+
+    async def generate(self, obj: GenerateInput, *, admission: Admission | None = None) -> AsyncIterator[Chunk]:
+        try:
+            subs = await self.expand(obj)
+        finally:
+            if admission is not None:
+                admission.close()
         rids = [sub.rid for sub in subs]
         duplicates = sorted({r for r in rids if r in self.rid_to_state or rids.count(r) > 1})
         if duplicates:
@@ -239,6 +291,9 @@ class TokenizerManager(Actor):
             self._by_wire_rid[state.wire_rid] = state
         try:
             for state in states:
+                if admission is not None and admission.ended is not None:
+                    state.end(admission.ended)  # aborted on its way in: never sent
+                    continue
                 await self._no_probation.wait()  # while requests are on probation, new ones wait
                 if state.finished is None and not state.submitted:  # (a resume may have sent it)
                     await self._submit(state)
@@ -270,6 +325,7 @@ class TokenizerManager(Actor):
             state.epoch += 1
             self._by_wire_rid[state.wire_rid] = state
         state.submitted = True
+        state.heard_at = trio.current_time()
         state.since_submit, state.progressed = 0, trio.Event()
         ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
         await self.ctx.send(self.scheduler, GenerateReq(
@@ -281,9 +337,14 @@ class TokenizerManager(Actor):
         """Abort a request by id; False when no such request is in flight.
 
         It ends here at once, so a resume (the scheduler restarting) cannot bring
-        it back. A request of another tokenizer worker is aborted by the scheduler,
-        which knows every request; its owner then sees it end."""
+        it back; one still on its way in (waiting to be admitted) ends unrun. A
+        request of another tokenizer worker is aborted by the scheduler, which
+        knows every request; its owner then sees it end."""
         state = self.rid_to_state.get(rid)
+        arriving = next((a for a in self._admissions if rid in a.rids), None) if state is None else None
+        if arriving is not None:
+            arriving.abort(message)
+            return True
         if state is None:
             try:
                 return bool(await self.call_scheduler(AbortWhere(rid=rid, message=message), timeout=5.0))
@@ -295,6 +356,20 @@ class TokenizerManager(Actor):
         if state.submitted:
             await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
         return True
+
+    async def _end_unheard(self, timeout: float) -> None:
+        """End (504) and abort downstream each request that heard nothing of its own for
+        ``timeout`` s since its last output or (re)submission."""
+        while True:
+            await trio.sleep(min(timeout / 4, 1.0))
+            now = trio.current_time()
+            for state in [s for s in self.rid_to_state.values() if s.finished is None and s.submitted]:
+                if now - state.heard_at > timeout:
+                    message = f"no output for this request in {timeout:g} s (server.request_timeout); it was ended"
+                    log.error("request %s: %s", state.rid, message)
+                    state.end(FinishReason("abort", status_code=504, message=message))
+                    with trio.move_on_after(5.0):
+                        await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
 
     # -- after a restart downstream ------------------------------------------------------
 

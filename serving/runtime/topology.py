@@ -51,6 +51,9 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     admin_api_key: str | None = None  # the admin routes need it (not the api_key) when set
     workers: int = 1  # tokenizer/HTTP worker processes
     request_wait: float = 60.0  # how long a new request waits for a restarting scheduler or a pause
+    # a request that hears nothing of its own for this long (starved in the queue, or lost downstream,
+    # while others' outputs flow) ends with a 504; None: never. Make it longer than a scheduler restart.
+    request_timeout: float | None = None
     max_loop_lag: float = 0.5  # seconds: new requests get 503 while the event loop runs this late
     # bounds on what one request may ask
     max_request_bytes: int | str = "32MiB"  # a larger body is refused with 413, unread
@@ -142,6 +145,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (1 <= self.server.max_stop_length <= 65536, "server.max_stop_length", "must be in 1..65536"),
             (self.server.weights_drain_timeout > 0, "server.weights_drain_timeout", "must be > 0"),
             (self.server.request_wait > 0, "server.request_wait", "must be > 0"),
+            (self.server.request_timeout is None or self.server.request_timeout > 0, "server.request_timeout",
+             "must be > 0 (or null: off)"),
             (self.server.max_loop_lag > 0, "server.max_loop_lag", "must be > 0"),
             (self.watchdogs.step_timeout > 0, "watchdogs.step_timeout", "must be > 0"),
         ]
@@ -325,4 +330,5 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
     return TokenizerManager(tokenizer, scheduler=addresses["scheduler"], detokenizer=addresses["detokenizer"],
                             worker=worker, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
                             quarantine_after=topology.supervision.quarantine_after,
+                            request_timeout=server.request_timeout,
                             on_stall=on_stall, on_status=on_status)

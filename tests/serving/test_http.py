@@ -34,6 +34,42 @@ async def server(nursery):
         yield client
 
 
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_loaded):
+    """The model runner of the servers here (the tiny model in bfloat16), for reference outputs."""
+    import torch
+
+    from models.runner import ModelRunner
+
+    return ModelRunner(tiny_loaded, dtype=torch.bfloat16)
+
+
+def greedy_reference(runner, tokenizer, ids, max_new_tokens):
+    """(text, ids) of the runner's own greedy answer to ``ids``, ended at the eos as a server ends it."""
+    from models.runner import generate
+
+    out = generate(runner, [ids], max_new_tokens)[0]
+    eos = next((i for i, t in enumerate(out) if t in runner.eos_token_ids), None)
+    out = out if eos is None else out[: eos + 1]
+    return tokenizer.decode(out, skip_special_tokens=True), out
+
+
+async def metric(client, sample):
+    """The value of one Prometheus sample (its name and labels, as printed) in /metrics."""
+    text = (await client.get("/metrics")).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")]
+    assert len(values) == 1, (sample, text)
+    return values[0]
+
+
+async def wait_for_info(client, predicate, timeout=30):
+    """Poll /server_info until ``predicate(info)``; the info."""
+    with trio.fail_after(timeout):
+        while not predicate(info := (await client.get("/server_info")).json()):
+            await trio.sleep(0.01)
+    return info
+
+
 def sse_events(text):
     assert text.endswith("data: [DONE]\n\n"), text[-200:]
     blocks = text.split("\n\n")[:-1]
@@ -50,8 +86,14 @@ async def test_native_generate_single_batch_and_stream(server):
     assert meta["finish_reason"] == {"type": "length", "matched": 5}
     assert meta["completion_tokens"] == 5 and meta["prompt_tokens"] >= 1 and "cached_tokens" in meta
 
-    r = await server.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 3}})
-    assert [len(x["output_ids"]) for x in r.json()] == [3, 3]
+    # a batch answers each prompt as that prompt alone would be answered, in order
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    alone = [(await server.post("/generate", json={"input_ids": p, "sampling_params": greedy})).json()
+             for p in ([5, 6, 7], [8, 9])]
+    assert alone[0]["output_ids"] != alone[1]["output_ids"]  # a swap would show
+    r = await server.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": greedy})
+    assert [(x["index"], x["text"], x["output_ids"]) for x in r.json()] == \
+        [(i, a["text"], a["output_ids"]) for i, a in enumerate(alone)]
 
     r = await server.post("/generate", json={"text": "Hello", "stream": True, "return_logprob": True,
                                              "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
@@ -93,19 +135,107 @@ async def test_openai_completions_and_chat(server):
     assert r.json()["data"][0]["id"] == "tiny"
 
 
+def openai_stream(text):
+    """The choices of an OpenAI SSE stream by index, each a list of its chunks' choice; the usage chunk's usage."""
+    choices, usage = {}, None
+    for event in sse_events(text):
+        if not event["choices"]:
+            usage = event["usage"]
+        for choice in event["choices"]:
+            choices.setdefault(choice["index"], []).append(choice)
+    return choices, usage
+
+
+async def test_openai_stop_n_and_usage(server):
+    """``stop`` (a string or a list) cuts the answer before it with finish_reason stop; with
+    ``n`` each streamed choice carries its own index and the n samples differ (temperature > 0);
+    usage counts each prompt once, however many samples it has (as OpenAI and vLLM do)."""
+    base = {"prompt": "Hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = (await server.post("/v1/completions", json=base)).json()["choices"][0]["text"]
+    start = next(k for k in range(len(full) // 2, len(full) - 2)
+                 if full[k : k + 2].strip() == full[k : k + 2] and full.find(full[k : k + 2]) == k)
+    stop = full[start : start + 2]
+    for form in (stop, ["never in this text", stop]):
+        choice = (await server.post("/v1/completions", json={**base, "stop": form})).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (full[:start], "stop"), form
+    choices, _ = openai_stream((await server.post("/v1/completions", json={**base, "stop": stop, "stream": True})).text)
+    assert "".join(c["text"] for c in choices[0]) == full[:start] and choices[0][-1]["finish_reason"] == "stop"
+
+    messages = [{"role": "user", "content": "Hi"}]
+    one = (await server.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6})).json()["usage"]
+    chat = {"messages": messages, "max_tokens": 6, "n": 3, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    whole = (await server.post("/v1/chat/completions", json=chat)).json()
+    answers = [c["message"]["content"] for c in whole["choices"]]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and len(set(answers)) == 3
+    assert whole["usage"]["prompt_tokens"] == one["prompt_tokens"]  # the prompt once, not 3 times
+    assert whole["usage"]["completion_tokens"] == 18
+    r = await server.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}})
+    choices, usage = openai_stream(r.text)
+    assert sorted(choices) == [0, 1, 2]
+    assert ["".join(c["delta"].get("content", "") for c in choices[i]) for i in range(3)] == answers
+    assert all(choices[i][0]["delta"]["role"] == "assistant" and choices[i][-1]["finish_reason"] == "length"
+               for i in range(3))
+    assert usage == whole["usage"]
+
+    # two prompts, two samples each: choice index = prompt * n + sample; each prompt counted once
+    prompts = ["Hello", "Bonjour tout le monde"]
+    alone = [(await server.post("/v1/completions", json={"prompt": p, "max_tokens": 2})).json()["usage"]
+             for p in prompts]
+    batch = {"prompt": prompts, "max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 5, "ignore_eos": True}
+    whole = (await server.post("/v1/completions", json=batch)).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert whole["usage"]["prompt_tokens"] == alone[0]["prompt_tokens"] + alone[1]["prompt_tokens"]
+    assert whole["usage"]["completion_tokens"] == 12
+    r = await server.post("/v1/completions", json={**batch, "stream": True, "stream_options": {"include_usage": True}})
+    choices, usage = openai_stream(r.text)
+    assert ["".join(c["text"] for c in choices[i]) for i in range(4)] == [c["text"] for c in whole["choices"]]
+    assert usage == whole["usage"]
+
+
 async def test_admin_routes(server):
     assert (await server.get("/health")).text == "OK"
-    assert (await server.get("/health_generate")).status_code == 200
-    info = (await server.get("/server_info")).json()
+    assert (await server.get("/health_generate")).status_code == 200  # (it fails when generation does:
+    info = (await server.get("/server_info")).json()  # test_overload_is_503_with_retry_after)
     assert info["running"] == 0 and info["kv_pages_total"] > 0
-    assert (await server.post("/flush_cache")).status_code == 200
     assert (await server.post("/abort_request", json={"rid": "nope"})).json() == {"rid": "nope", "aborted": False}
-    metrics = (await server.get("/metrics")).text
-    assert "tercet_time_to_first_token_seconds" in metrics and "tercet_num_running_reqs" in metrics
+
+    # /flush_cache empties the prefix cache: a repeated prompt hits it before, not after
+    body = {"input_ids": list(range(100, 140)), "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+    async def cached():
+        return (await server.post("/generate", json=body)).json()["meta_info"]["cached_tokens"]
+
+    assert await cached() == 0 and await cached() > 0
+    assert (await server.post("/flush_cache")).status_code == 200
+    assert await cached() == 0
+
+    # /metrics: the figures move as requests run
+    names = ['tercet_requests_total{finish_reason="length"}', "tercet_prompt_tokens_total",
+             "tercet_generation_tokens_total", "tercet_time_to_first_token_seconds_count",
+             "tercet_e2e_request_latency_seconds_count"]
+    before = [await metric(server, name) for name in names]
+    for prompt in ([5, 6, 7], [8, 9]):
+        r = await server.post("/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 4, "ignore_eos": True}})
+        assert r.status_code == 200
+    after = [await metric(server, name) for name in names]
+    assert [b - a for a, b in zip(before, after)] == [2, 5, 8, 2, 2]
+    assert await metric(server, "tercet_num_running_reqs") == 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(server.post, "/generate", json={"input_ids": [5], "rid": "long", "sampling_params": LONG}))
+        with trio.fail_after(30):  # the scheduler's figures, as the monitor last saw them (each second)
+            while await metric(server, "tercet_num_running_reqs") != 1:
+                await trio.sleep(0.05)
+        assert (await server.post("/abort_request", json={"rid": "long"})).json()["aborted"] is True
+    with trio.fail_after(30):
+        while await metric(server, "tercet_num_running_reqs") != 0:
+            await trio.sleep(0.05)
+    assert await metric(server, 'tercet_requests_total{finish_reason="abort"}') == 1
 
 
 async def assert_held_until_continued(pauser, asker, continuer):
-    """Paused through ``pauser``, a request through ``asker`` waits until ``continuer`` continues."""
+    """Paused through ``pauser``, a request through ``asker`` waits until ``continuer`` (a client
+    of the asker's worker, free for other requests) continues."""
     assert (await pauser.post("/pause_generation")).json() == {"paused": True}
     done = trio.Event()
 
@@ -116,15 +246,56 @@ async def assert_held_until_continued(pauser, asker, continuer):
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ask)
-        with trio.move_on_after(1.0):
-            await done.wait()
-        assert not done.is_set()
+        info = await wait_for_info(continuer, lambda info: info["admitting"] == 1)  # it arrived, and waits
+        assert not done.is_set() and info["running"] == info["waiting"] == 0  # the scheduler never saw it
         assert (await continuer.post("/continue_generation")).json() == {"paused": False}
         await done.wait()
 
 
 async def test_pause_holds_new_requests_until_continue(server):
     await assert_held_until_continued(server, server, server)
+
+
+async def test_while_paused_an_abort_or_a_client_leaving_ends_a_waiting_request_unrun(server):
+    """Requests held by a pause: /abort_request of their rid ends them at once (finish reason
+    abort, nothing generated, whole or streamed), and one whose client leaves is dropped (499);
+    none of them runs after /continue_generation."""
+    tm = server.app.state.server.runtime.tokenizer_manager
+    assert (await server.post("/pause_generation")).status_code == 200
+    results = {}
+
+    async def ask(stream):
+        body = {"input_ids": [5, 6, 7], "rid": f"held-{stream}", "stream": stream, "sampling_params": LONG}
+        results[stream] = await server.post("/generate", json=body)
+
+    async with trio.open_nursery() as nursery:
+        for stream in (False, True):
+            nursery.start_soon(ask, stream)
+        await wait_for_info(server, lambda info: info["admitting"] == 2)
+        for stream in (False, True):
+            r = await server.post("/abort_request", json={"rid": f"held-{stream}"})
+            assert r.json() == {"rid": f"held-{stream}", "aborted": True}
+    whole = results[False].json()  # both answered while still paused
+    assert results[False].status_code == 200 and whole["meta_info"]["finish_reason"]["type"] == "abort"
+    assert whole["output_ids"] == [] and whole["meta_info"]["completion_tokens"] == 0
+    last = sse_events(results[True].text)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort" and last["output_ids"] == []
+
+    body = json.dumps({"input_ids": [8, 9], "rid": "leaves", "sampling_params": LONG}).encode()
+    stream = await trio.open_tcp_stream(server.base_url.host, server.base_url.port)
+    await stream.send_all(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await wait_for_info(server, lambda info: info["admitting"] == 1)
+    await stream.aclose()  # the client leaves while its request waits
+    await wait_for_info(server, lambda info: info["admitting"] == 0)
+
+    assert (await server.post("/continue_generation")).status_code == 200
+    r = await server.post("/generate", json={"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200  # serving again; the three held requests never reached the scheduler:
+    info = (await server.get("/server_info")).json()
+    assert info["aborted"] == 0 and info["running"] == info["waiting"] == 0 and tm.rid_to_state == {}
+    assert await metric(server, 'tercet_requests_total{finish_reason="length"}') == 1
+    assert (await server.post("/abort_request", json={"rid": "held-False"})).json()["aborted"] is False
 
 
 BAD = [
@@ -143,7 +314,8 @@ BAD = [
     ("/v1/completions", {"prompt": ["a", 1]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, None),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"one": 2}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, None),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, None),
@@ -241,10 +413,59 @@ async def test_overload_is_503_with_retry_after(nursery):
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert "overloaded" in r.json()["error"]["message"]
+        # a server that answers but cannot generate: /health says up, /health_generate says no
+        assert (await client.get("/health")).status_code == 200
+        r = await client.get("/health_generate")
+        assert r.status_code == 503 and "generation failed" in r.text and "overloaded" in r.text, r.text
 
 
-async def test_official_openai_client(server):
+async def test_a_request_starved_while_others_stream_ends_with_504(nursery):
+    """One running slot: a long stream holds it, a second request waits behind it, hearing nothing
+    while the stream's tokens keep flowing. ``server.request_timeout`` ends the starved one (504)
+    and takes it out of the queue; the stream, running longer than the timeout, goes on."""
+    url, _ = await start_server(nursery, **{"scheduler.max_running_requests": 1, "server.request_timeout": 1.0})
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        seen = []
+
+        async def hog():
+            body = {"input_ids": [5, 6, 7], "rid": "hog", "stream": True, "sampling_params": LONG}
+            async with client.stream("POST", "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        seen.append((trio.current_time(), json.loads(line[6:])))
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(hog)
+            with trio.fail_after(30):
+                while not seen:  # it runs
+                    await trio.sleep(0.01)
+            start = trio.current_time()
+            with trio.fail_after(30):
+                r = await client.post("/generate", json={"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 2}})
+            waited = trio.current_time() - start
+            assert r.status_code == 504, r.text
+            assert "no output for this request in 1 s (server.request_timeout)" in r.json()["error"]["message"]
+            assert 1.0 <= waited < 10, waited
+            info = (await client.get("/server_info")).json()
+            assert info["waiting"] == 0 and info["running"] == 1  # out of the queue; the stream runs on
+            count = len(seen)
+            with trio.fail_after(30):
+                while len(seen) == count:
+                    await trio.sleep(0.01)
+            assert seen[-1][0] - seen[0][0] > 1.0 and seen[-1][1]["meta_info"]["finish_reason"] is None
+            assert (await client.post("/abort_request", json={"rid": "hog"})).json()["aborted"] is True
+        assert seen[-1][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_official_openai_client(server, tiny_runner, tokenizer):
+    """The openai client's answers, whole and streamed, are the model runner's own greedy answers."""
     import openai
+
+    hello = tokenizer("Hello", add_special_tokens=False).input_ids
+    chat = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                                   tokenize=False), add_special_tokens=False).input_ids
+    expected_completion = greedy_reference(tiny_runner, tokenizer, hello, 5)[0]
+    expected_chat = greedy_reference(tiny_runner, tokenizer, chat, 4)[0]
 
     def use_client():
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
@@ -260,5 +481,6 @@ async def test_official_openai_client(server):
                 stream=True) if c.choices)
         return whole.choices[0].text, streamed, chat.choices[0].message.content, chat_streamed
 
-    whole, streamed, chat, chat_streamed = await trio.to_thread.run_sync(use_client)
-    assert whole == streamed and chat == chat_streamed and chat
+    whole, streamed, chat_whole, chat_streamed = await trio.to_thread.run_sync(use_client)
+    assert whole == streamed == expected_completion and whole
+    assert chat_whole == chat_streamed == expected_chat and chat_whole
