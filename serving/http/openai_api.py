@@ -10,14 +10,17 @@ min_tokens, stop_token_ids, skip_special_tokens, no_stop_trim) are accepted.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from ..managers.messages import (
+    Constraint,
     Count,
+    LogitBias,
     FinishReason,
     Int64,
     MinP,
@@ -51,10 +54,31 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 # OpenAI parameters this server does not implement: refused with a 400 naming them,
 # never ignored (a client asking for JSON or tools and getting prose is worse off).
-NOT_IMPLEMENTED = ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
-                   "parallel_tool_calls", "audio", "modalities", "prediction", "web_search_options",
-                   "reasoning_effort", "best_of", "guided_json", "guided_regex", "guided_choice",
-                   "guided_grammar", "structured_outputs")
+NOT_IMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                   "modalities", "prediction", "web_search_options", "reasoning_effort", "best_of")
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] | bool = True
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's ``response_format``: text, JSON mode, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` (one of them)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: Constraint | None = None
+    choice: list[Constraint] | None = None
+    grammar: Constraint | None = None
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True):
@@ -84,9 +108,14 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: RequestId | None = None
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's, and its older guided_* names
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Constraint | None = None
+    guided_choice: list[Constraint] | None = None
+    guided_grammar: Constraint | None = None
     # named so that they are refused by name (see NOT_IMPLEMENTED)
-    logit_bias: dict[str, float] | None = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -98,11 +127,6 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     web_search_options: Any = None
     reasoning_effort: Any = None
     best_of: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def refuse_unimplemented(self) -> None:
         for name in NOT_IMPLEMENTED:
@@ -124,8 +148,39 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            no_stop_trim=self.no_stop_trim, n=self.n,
+            no_stop_trim=self.no_stop_trim, n=self.n, logit_bias=self.logit_bias or None,
+            **self.constraint(),
         )
+
+    def constraint(self) -> dict[str, str]:
+        """The one constraint asked for, as SamplingParams fields (json_schema / regex / grammar)."""
+        asked: list[tuple[str, dict[str, str]]] = []
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            asked.append(("response_format", {"json_schema": '{"type": "object"}'}))
+        elif f is not None and f.type == "json_schema":
+            if f.json_schema is None:
+                raise InvalidRequest("response_format.json_schema: required with type json_schema")
+            asked.append(("response_format", {"json_schema": json.dumps(f.json_schema.schema)}))
+        so = self.structured_outputs or StructuredOutputs()
+        for name, value in (("json", so.json if so.json is not None else self.guided_json),
+                            ("regex", so.regex or self.guided_regex), ("choice", so.choice or self.guided_choice),
+                            ("grammar", so.grammar or self.guided_grammar)):
+            if value is None:
+                continue
+            if name == "json":
+                asked.append((name, {"json_schema": value if isinstance(value, str) else json.dumps(value)}))
+            elif name == "regex":
+                asked.append((name, {"regex": value}))
+            elif name == "choice":
+                if not value:
+                    raise InvalidRequest("structured_outputs.choice: give at least one choice")
+                asked.append((name, {"grammar": "start: " + " | ".join(json.dumps(c) for c in value)}))
+            else:
+                asked.append((name, {"ebnf": value}))
+        if len(asked) > 1:
+            raise InvalidRequest(f"{asked[1][0]}: only one of response_format and structured outputs at a time")
+        return asked[0][1] if asked else {}
 
 
 class CompletionRequest(_Common):

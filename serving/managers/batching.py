@@ -26,6 +26,7 @@ from models.errors import OutOfPages
 from models.runner import SeqInput
 from models.sampling import SamplingParams as ModelSampling
 
+from .grammar import constraint_of
 from .messages import FinishReason, GenerateReq, SamplingParams
 from .radix_cache import RadixCache
 
@@ -63,6 +64,7 @@ class Req:
     replaces: str | None = None
     finished: FinishReason | None = None
     sent_init: bool = False
+    matcher: Any = None  # its grammar's state (an llguidance LLMatcher) when it is constrained
 
     @property
     def num_generated(self) -> int:
@@ -101,10 +103,12 @@ def _max_new(s: SamplingParams) -> int:
 
 
 def to_model_sampling(s: SamplingParams) -> ModelSampling:
+    bias = tuple((int(t), float(b)) for t, b in (s.logit_bias or {}).items())
     return ModelSampling(
         temperature=s.temperature, top_k=s.top_k if s.top_k > 0 else 0, top_p=s.top_p,
         min_p=s.min_p, repetition_penalty=s.repetition_penalty,
         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, seed=s.seed,
+        logit_bias=bias,
     )
 
 
@@ -113,6 +117,7 @@ class BatchState:
                  limits: Limits, vocab_size: int | None = None) -> None:
         self.kv = kv
         self.vocab_size = vocab_size
+        self.grammars: Any = None  # a serving.managers.grammar.Grammars, once the scheduler has one
         self.cache = cache
         self.eos_token_ids = eos_token_ids
         self.limits = limits
@@ -159,6 +164,15 @@ class BatchState:
             ))
         if req.num_generated >= _max_new(msg.sampling):
             return self._end_now(req, FinishReason("length", matched=_max_new(msg.sampling)))
+        constraint = constraint_of(msg.sampling)
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError("constrained decoding is not ready in this scheduler")
+            req.matcher = self.grammars.matcher(*constraint)
+            for token in req.output_ids:  # a resume: replay what the client already has
+                if not req.matcher.consume_token(token):
+                    return self._end_now(req, FinishReason(
+                        "abort", status_code=500, message="the output so far does not match the request's grammar"))
         self.by_rid[req.rid] = req
         self.waiting.append(req)
         return None
@@ -255,13 +269,29 @@ class BatchState:
             req.tokens.append(token)
             logprobs = [sampled.logprobs[i]] if req.return_logprob else []
             top = [sampled.top_logprobs[i] or []] if req.return_logprob and req.top_logprobs_num else []
-            req.finished = self._stop_reason(req, token)
+            req.finished = self._stop_reason(req, token) or self._grammar_end(req, token)
             if req.finished is not None:
                 del self.by_rid[req.rid]
                 self.running.remove(req)
                 self._release(req, keep=True)
             outputs.append(Output(req, [token], logprobs, top))
         return outputs
+
+    def _grammar_end(self, req: Req, token: int) -> FinishReason | None:
+        """A constrained request ends when its grammar can go no further (or, never, rejects a token)."""
+        matcher = req.matcher
+        if matcher is None:
+            return None
+        if not matcher.consume_token(token):
+            return FinishReason("abort", status_code=500, message=f"the grammar rejected token {token}")
+        if matcher.is_stopped():
+            return FinishReason("stop", matched=None)
+        return None
+
+    def constrained(self, batch: Batch) -> list[tuple[int, Any]]:
+        """(index in the batch, matcher) of the sequences of ``batch`` whose next token a grammar picks."""
+        return [(i, req.matcher) for i, (req, seq) in enumerate(zip(batch.reqs, batch.seqs))
+                if req.matcher is not None and seq.sample]
 
     def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
         s = req.sampling

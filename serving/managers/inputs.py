@@ -11,6 +11,7 @@ starts with the field it is about.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -19,6 +20,7 @@ import msgspec
 
 from models.sampling import random_seed
 
+from .grammar import GrammarError, compile_grammar, constraint_of
 from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
 
 __all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest"]
@@ -68,6 +70,12 @@ class SubRequest:
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM treats it)
 # above this many characters of prompt text, tokenizing runs in a worker thread
 LARGE_INPUT_CHARS = 16_384
+
+
+@functools.lru_cache(maxsize=256)
+def checked_grammar(kind: str, text: str) -> str:
+    """A constraint checked once per text (GrammarError names what is wrong)."""
+    return compile_grammar(kind, text)
 
 
 class Expander:
@@ -125,6 +133,15 @@ class Expander:
         if any(len(s) > limits.max_stop_length for s in p.stop):
             raise InvalidRequest(f"sampling_params.stop: a stop string is longer than {limits.max_stop_length} "
                                  "characters")
+        if p.logit_bias and any(int(t) >= self.vocab for t in p.logit_bias):
+            raise InvalidRequest(f"sampling_params.logit_bias: a token id is outside the vocabulary "
+                                 f"(size {self.vocab})")
+        try:
+            constraint = constraint_of(p)
+            if constraint is not None:
+                checked_grammar(*constraint)
+        except GrammarError as exc:
+            raise InvalidRequest(f"sampling_params.{exc}") from None
         if any(t >= self.vocab for t in p.stop_token_ids):
             raise InvalidRequest(f"sampling_params.stop_token_ids: a token id is outside the vocabulary "
                                  f"(size {self.vocab})")

@@ -65,6 +65,9 @@ MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]  # near 0 its division overflows
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # frequency and presence, as OpenAI
 StopString = Annotated[str, msgspec.Meta(min_length=1)]  # count and length: bounded by the server's limits
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's logit_bias range
+LogitBias = Annotated[dict[str, Bias], msgspec.Meta(max_length=1024)]  # token id (as text) -> bias
+Constraint = Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 20)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
@@ -92,6 +95,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: NumSamples = 1
+    logit_bias: LogitBias | None = None
+    # constrained decoding, at most one (serving/managers/grammar.py): SGLang's names, and a lark grammar
+    json_schema: Constraint | None = None  # a JSON schema, as JSON text
+    regex: Constraint | None = None
+    ebnf: Constraint | None = None
+    grammar: Constraint | None = None
 
     def check(self) -> str | None:
         """The first problem with these values, named by field, or None (the same
@@ -102,6 +111,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             return _readable(str(exc))
         if self.top_k == 0:
             return "top_k: must be -1 (off) or >= 1"
+        if self.logit_bias and not all(key.isdigit() for key in self.logit_bias):
+            return "logit_bias: keys are token ids"
         return None
 
 

@@ -22,10 +22,11 @@ import torch
 
 from actors import Actor, ActorChild, Context, StepWatchdog
 from models.errors import ModelLoadError
-from models.loading import load_model, tiny_model
+from models.loading import load_model, load_tokenizer, tiny_model
 from models.runner import ModelRunner, StepOutput
 
 from .batching import BatchState, Limits, Output
+from .grammar import Grammars
 from .messages import (
     AbortReq,
     AbortWhere,
@@ -61,6 +62,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     deterministic: bool = False  # batch-invariant kernels: the same logits whatever else runs
     step_timeout: float = 120.0
     detokenizer: str = "inproc://detokenizer"
+    tokenizer: str | None = None  # for constrained decoding; None: the embedded SmolLM2's
 
 
 def build_runner(config: SchedulerConfig) -> ModelRunner:
@@ -122,6 +124,9 @@ class Scheduler(Actor):
         self._stopping = False
         self._idle = trio.Event()  # no step in progress
         self._idle.set()
+        self._grammars_ready = trio.Event()
+        self._awaiting_grammars: list[GenerateReq] = []  # constrained requests, until the tables are built
+        self._aborted_waiting: set[str] = set()
         self.steps = 0
         self.started_at = time.time()
 
@@ -141,6 +146,29 @@ class Scheduler(Actor):
         await ctx.nursery.start(self.watchdog.run)
         ctx.nursery.start_soon(self._loop)
 
+    def _wait_for_grammars(self, msg: GenerateReq) -> None:
+        """The first constrained request of this process: build the tokenizer tables of
+        constrained decoding (seconds, once) beside serving; queue it and those after it."""
+        self._awaiting_grammars.append(msg)
+        if len(self._awaiting_grammars) == 1:
+            self.ctx.nursery.start_soon(self._load_grammars)
+
+    async def _load_grammars(self) -> None:
+        def build() -> Grammars:
+            return Grammars(load_tokenizer(self.config.tokenizer), int(self.runner.config.vocab_size))
+
+        try:
+            self.state.grammars = await trio.to_thread.run_sync(build)
+        except Exception:  # noqa: BLE001 - constrained requests are refused; the rest serve
+            log.exception("constrained decoding is not available")
+        self._grammars_ready.set()
+        waiting, self._awaiting_grammars = self._awaiting_grammars, []
+        for msg in waiting:
+            if msg.rid not in self._aborted_waiting:
+                self._end(self._add(msg))
+        self._aborted_waiting.clear()
+        self._wakeup.set()  # they are queued: schedule them
+
     # -- messages -------------------------------------------------------------------
 
     async def handle(self, msg: Any) -> Any:
@@ -148,8 +176,13 @@ class Scheduler(Actor):
         assert state is not None
         match msg:
             case GenerateReq():
-                self._end(self._add(msg))
+                if _constrained(msg) and not self._grammars_ready.is_set():
+                    self._wait_for_grammars(msg)
+                else:
+                    self._end(self._add(msg))
             case AbortReq(rid, message):
+                if any(m.rid == rid for m in self._awaiting_grammars):
+                    self._aborted_waiting.add(rid)
                 self._end(state.abort(rid, FinishReason("abort", message=message)))
             case AbortWhere(rid, worker, message):
                 return self._abort_where(rid, worker, message)
@@ -259,13 +292,24 @@ class Scheduler(Actor):
             self._idle = trio.Event()
             with self.watchdog.step():
                 try:
-                    sampled = await trio.to_thread.run_sync(STEP_THREADS.run, runner.step, batch.seqs,
+                    sampled = await trio.to_thread.run_sync(STEP_THREADS.run, self._step, batch,
                                                             abandon_on_cancel=True)
                 except Exception as exc:  # noqa: BLE001 - find out whose fault it is
                     sampled = await self._isolate(batch, exc)
             self._idle.set()
             self.steps += 1
             await self._flush(state.postprocess(batch, sampled))
+
+    def _step(self, batch: Any) -> StepOutput:
+        """One model step (in a worker thread), the grammars' next-token masks filled first."""
+        constrained = self.state.constrained(batch)
+        if constrained:
+            grammars = self.state.grammars
+            masks = grammars.allocate(len(constrained))
+            grammars.fill([matcher for _, matcher in constrained], masks)
+            for row, (i, _) in enumerate(constrained):
+                batch.seqs[i].allowed = masks[row]
+        return self.runner.step(batch.seqs)
 
     async def _isolate(self, batch: Any, error: Exception) -> StepOutput:
         """A step failed: run each request of it alone. Those that fail alone end with
@@ -296,6 +340,11 @@ class Scheduler(Actor):
         outputs, self._pending = self._pending + outputs, []
         if outputs:
             await self.ctx.send(self.config.detokenizer, _batch_out(outputs))
+
+
+def _constrained(msg: GenerateReq) -> bool:
+    s = msg.sampling
+    return any(x is not None for x in (s.json_schema, s.regex, s.ebnf, s.grammar))
 
 
 def _count_by_worker(state: BatchState) -> dict[str, int]:

@@ -221,7 +221,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
             enable_prefix_cache=s.enable_prefix_cache, deterministic=s.enable_deterministic_inference,
             step_timeout=self.watchdogs.step_timeout,
-            detokenizer=detokenizer,
+            detokenizer=detokenizer, tokenizer=tokenizer_source(self.model),
         )
 
 
