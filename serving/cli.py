@@ -164,6 +164,9 @@ async def serve(topology: Topology, *, failure_grace: float = 1.0) -> BaseExcept
             nursery.start_soon(relay_failure)
             await _until_signal_or(ready_or_failed, failure_grace)
             nursery.cancel_scope.cancel()
+        if app.state.ready.is_set():  # end what is in flight with a 503 (streams: an error event), as a
+            # tokenizer worker does when it stops: hypercorn's grace period then delivers it, never a cut stream
+            app.state.server.runtime.tokenizer_manager.fail_all("the server is shutting down")
 
     try:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)

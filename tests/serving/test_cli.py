@@ -1,11 +1,14 @@
 """``tercet serve`` as a user runs it: what it says while starting, when it is ready, and
 when it cannot start (one line naming the cause, a non-zero exit, no traceback)."""
 
+import json
+import os
 import signal
 import subprocess
 import sys
 
 import httpx
+import pytest
 import trio
 
 from ..conftest import free_tcp_port
@@ -39,6 +42,8 @@ async def test_a_broken_model_is_one_line_and_exit_1_and_debug_shows_the_traceba
 
 
 async def test_it_says_what_it_loads_and_when_it_is_ready_then_stops_on_sigterm():
+    """... and a SIGTERM with requests in flight ends each cleanly — a stream with an error event
+    and [DONE], a whole answer with a 503, never a cut connection or a hang — and every process exits."""
     port = free_tcp_port()
     server = await trio.lowlevel.open_process(
         [sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", str(port)],
@@ -50,13 +55,47 @@ async def test_it_says_what_it_loads_and_when_it_is_ready_then_stops_on_sigterm(
                 part = await server.stderr.receive_some()
                 assert part, log.decode()
                 log += part
+        results = {}
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             assert (await client.get("/health")).status_code == 200
-        server.send_signal(signal.SIGTERM)
-        with trio.fail_after(60):
-            while part := await server.stderr.receive_some():
-                log += part
-            assert await server.wait() == 0
+            pids = (await client.get("/server_info")).json()["pids"]
+            assert set(pids) == {"scheduler", "detokenizer"}
+            flowing = trio.Semaphore(0)
+
+            async def long_request(i, stream):
+                body = {"input_ids": [5 + i, 6], "stream": stream,
+                        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+                async with client.stream("POST", "/generate", json=body) as r:
+                    text = ""
+                    async for piece in r.aiter_text():  # to the end
+                        if not text and stream:
+                            flowing.release()
+                        text += piece
+                results[i] = (stream, r.status_code, text)
+
+            with trio.fail_after(60):  # never a hang
+                async with trio.open_nursery() as nursery:
+                    for i, stream in enumerate((True, True, False)):
+                        nursery.start_soon(long_request, i, stream)
+                    for _ in range(2):
+                        await flowing.acquire()
+                    while (await client.get("/server_info")).json()["running"] < 3:
+                        await trio.sleep(0.01)  # the whole one runs too
+                    server.send_signal(signal.SIGTERM)
+                    while part := await server.stderr.receive_some():
+                        log += part
+                    assert await server.wait() == 0
+        for stream, status, text in results.values():
+            if stream:
+                assert status == 200 and text.endswith("data: [DONE]\n\n"), text[-300:]
+                assert json.loads(text.split("\n\n")[-3].removeprefix("data: "))["error"]["message"] == \
+                    "the server is shutting down"
+            else:
+                assert status == 503 and json.loads(text)["error"]["message"] == "the server is shutting down"
+        assert len(results) == 3
+        for pid in pids.values():  # no orphans
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
     finally:
         if server.returncode is None:
             server.kill()
