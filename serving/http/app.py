@@ -49,6 +49,7 @@ from .generate import chat_completions, completions, generate
 from .metrics import Metrics
 from .openapi import OPEN, openapi
 from .state import ServerState
+from .tokens import detokenize, tokenize
 
 __all__ = ["RuntimeOpener", "build_app", "hypercorn_config"]
 
@@ -87,6 +88,8 @@ ROUTES = [
     ("/continue_generation", continue_generation, ["POST"]),
     ("/update_weights_from_disk", update_weights_from_disk, ["POST"]),
     ("/openapi.json", openapi, ["GET"]),
+    ("/tokenize", tokenize, ["POST"]),
+    ("/detokenize", detokenize, ["POST"]),
 ]
 
 UNPROTECTED = set(OPEN)  # /health, /openapi.json

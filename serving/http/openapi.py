@@ -32,6 +32,7 @@ from .admin import AbortBody, UpdateWeightsBody
 from .errors import KINDS
 from .openai_api import ChatRequest, CompletionRequest
 from .state import ServerState
+from .tokens import DetokenizeBody, Detokenized, TokenizeBody, Tokenized
 
 __all__ = ["OPEN", "document", "openapi"]
 
@@ -211,12 +212,14 @@ class WeightsUpdated(msgspec.Struct):
 
 BODIES: dict[str, Any] = {"/generate": GenerateInput, "/v1/completions": CompletionRequest,
                           "/v1/chat/completions": ChatRequest, "/abort_request": AbortBody,
-                          "/update_weights_from_disk": UpdateWeightsBody}
+                          "/update_weights_from_disk": UpdateWeightsBody, "/tokenize": TokenizeBody,
+                          "/detokenize": DetokenizeBody}
 JSON_ANSWERS: dict[str, Any] = {
     "/generate": NativeResult | list[NativeResult], "/v1/completions": Completion,
     "/v1/chat/completions": ChatCompletion, "/v1/models": ModelList, "/abort_request": AbortResult,
     "/pause_generation": Paused, "/continue_generation": Paused, "/update_weights_from_disk": WeightsUpdated,
     "/server_info": dict[str, Any], "/get_server_info": dict[str, Any], "/openapi.json": dict[str, Any],
+    "/tokenize": Tokenized, "/detokenize": Detokenized,
 }
 TEXT_ANSWERS = {"/health": "OK", "/health_generate": "OK (one token was generated)",
                 "/metrics": "Prometheus text exposition format", "/flush_cache": "Cache flushed."}
@@ -234,7 +237,8 @@ GENERATION = (400, 404, 413, 500, 503)
 ERRORS = {"/generate": (400, 413, 500, 503), "/v1/completions": GENERATION, "/v1/chat/completions": GENERATION,
           "/v1/models": (503,), "/abort_request": (400, 413), "/flush_cache": (400,),
           "/pause_generation": (503,), "/continue_generation": (503,),
-          "/update_weights_from_disk": (400, 409, 413, 503)}
+          "/update_weights_from_disk": (400, 409, 413, 503), "/tokenize": (400, 404, 413, 503),
+          "/detokenize": (400, 404, 413)}
 PLAIN_503 = ("/health", "/health_generate")  # these say what is wrong in plain text
 
 

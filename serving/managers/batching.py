@@ -282,8 +282,11 @@ class BatchState:
         matcher = req.matcher
         if matcher is None:
             return None
-        if not matcher.consume_token(token):
-            return FinishReason("abort", status_code=500, message=f"the grammar rejected token {token}")
+        if not matcher.consume_token(token):  # llguidance's mask allowed what it now refuses: seen with
+            # regexes of exotic code points over byte-level tokens; the constraint is what cannot be followed
+            return FinishReason("abort", status_code=400, message=(
+                f"the request's constraint cannot be followed with this model's tokens (its grammar refused "
+                f"token {token}, which its own mask allowed: {matcher.get_error() or 'no reason given'})"))
         if matcher.is_stopped():
             return FinishReason("stop", matched=None)
         return None

@@ -147,3 +147,25 @@ async def server_tiny(nursery):
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         client.tokenizer = app.state.server.runtime.tokenizer
         yield client
+
+
+async def test_tokenize_and_detokenize_in_vllm_shapes(server_tiny):
+    client = server_tiny
+    r = await client.post("/tokenize", json={"prompt": "Hello world"})
+    body = r.json()
+    assert body["tokens"] == client.tokenizer("Hello world", add_special_tokens=False).input_ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 4096
+    r = await client.post("/detokenize", json={"tokens": body["tokens"]})
+    assert r.json() == {"prompt": "Hello world"}
+    chat = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    rendered = client.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                                    tokenize=False)
+    assert chat.json()["tokens"] == client.tokenizer(rendered, add_special_tokens=False).input_ids
+    # and they are what generation counts as the prompt
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                        "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == chat.json()["count"]
+    for bad, param in (({"prompt": "x", "messages": []}, "prompt"), ({}, "prompt"),
+                       ({"tokens": [10**7]}, "tokens")):
+        r = await client.post("/detokenize" if "tokens" in bad else "/tokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
