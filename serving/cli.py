@@ -53,6 +53,7 @@ OVERRIDES = {
     "page_size": "scheduler.page_size",
     "schedule_policy": "scheduler.schedule_policy",
     "enable_deterministic_inference": "scheduler.enable_deterministic_inference",
+    "tool_call_parser": "server.tool_call_parser",
 }
 
 
@@ -82,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--page-size", type=int)
     serve_p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
     serve_p.add_argument("--tokenizer-worker-num", type=int)
+    serve_p.add_argument("--tool-call-parser", help="the format of tool calls: hermes (<tool_call> JSON blocks)")
     serve_p.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
                          help="batch-invariant kernels: greedy output independent of batching, prefix cache, "
                               "chunking and crash resume (CPU)")

@@ -234,7 +234,8 @@ async def _openai(request: Request, state: ServerState, kind: str, shape: type,
     prompts = 1
     if kind == "completion" and not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))):
         prompts = len(req.prompt)
-    responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n)
+    responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n,
+                          tools=obj.tools is not None)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run_request(
         request, state, obj, responder.whole, responder.stream_chunk,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -36,7 +36,10 @@ from ..managers.messages import (
     TopLogprobs,
     TopP,
 )
+from ..managers.grammar import GrammarError, constraint_of
+from ..managers.inputs import checked_grammar
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
+from ..managers.tools import ToolStream, call_grammar, parse
 
 __all__ = [
     "ChatRequest",
@@ -82,6 +85,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True):
+    unimplemented: ClassVar[tuple[str, ...]] = NOT_IMPLEMENTED
     model: str | None = None
     max_tokens: Count | None = None
     temperature: Temperature = 1.0
@@ -129,7 +133,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     best_of: Any = None
 
     def refuse_unimplemented(self) -> None:
-        for name in NOT_IMPLEMENTED:
+        for name in self.unimplemented:
             value = getattr(self, name)
             harmless = (value is None or value == [] or value == {} or (name == "best_of" and value == 1)
                         or (name == "parallel_tool_calls" and not self.tools))
@@ -190,11 +194,66 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+
+
+class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Common):
+    unimplemented: ClassVar[tuple[str, ...]] = tuple(
+        n for n in NOT_IMPLEMENTED if n not in ("tools", "tool_choice", "parallel_tool_calls"))
     messages: list[dict[str, Any]] = []
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs = 0
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_use(self) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """(the tools the model sees, the lark grammar that enforces a call) from tools and tool_choice."""
+        tools = [msgspec.to_builtins(t) for t in self.tools or []]
+        choice = self.tool_choice or ("auto" if tools else "none")
+        if choice == "none" or not tools:
+            if choice not in ("none", "auto"):
+                raise InvalidRequest("tool_choice: there are no tools to call")
+            return None, None
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequest("tools: two tools have the same name")
+        if choice == "auto":
+            return tools, None
+        only = None
+        if isinstance(choice, ToolChoiceFunction):
+            only = choice.function.name
+            if only not in names:
+                raise InvalidRequest(f"tool_choice: no tool named {only!r}")
+        for t in tools:
+            if t["function"].get("parameters") is not None:
+                try:
+                    checked_grammar("json_schema", json.dumps(t["function"]["parameters"]))
+                except GrammarError as exc:
+                    raise InvalidRequest(f"tools: the parameters of {t['function']['name']}: {exc}") from None
+        return tools, call_grammar(tools, only, self.parallel_tool_calls)
 
 
 def completion_input(req: CompletionRequest) -> GenerateInput:
@@ -225,6 +284,9 @@ def chat_input(req: ChatRequest) -> GenerateInput:
     for i, message in enumerate(req.messages):
         if not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}].role: missing or not a string")
+        if message.get("tool_calls") is not None and not _valid_calls(message["tool_calls"]):
+            raise InvalidRequest(f"messages[{i}].tool_calls: each needs function.name and function.arguments "
+                                 "(a JSON object, as text)")
         content = message.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -235,10 +297,32 @@ def chat_input(req: ChatRequest) -> GenerateInput:
             raise InvalidRequest(f"messages[{i}].content: must be a string or a list of text parts")
         messages.append({**message, "content": content or ""})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling = req.sampling(max_tokens)
+    tools, grammar = req.tool_use()
+    if grammar is not None:
+        if constraint_of(sampling) is not None:
+            raise InvalidRequest("tool_choice: a required tool call cannot be combined with response_format")
+        sampling = msgspec.structs.replace(sampling, grammar=grammar)
     return GenerateInput(
-        messages=messages, sampling_params=req.sampling(max_tokens), stream=req.stream, rid=req.rid,
+        messages=messages, tools=tools, sampling_params=sampling, stream=req.stream, rid=req.rid,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs if req.logprobs else 0,
     )
+
+
+def _valid_calls(calls: Any) -> bool:
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return False
+        arguments = function.get("arguments", "{}")
+        try:
+            if not isinstance(json.loads(arguments) if isinstance(arguments, str) else arguments, dict):
+                return False
+        except json.JSONDecodeError:
+            return False
+    return True
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -259,8 +343,11 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 class Responder:
     """Builds one request's responses (whole or streamed) in the OpenAI shapes."""
 
-    def __init__(self, kind: str, model: str, tokenizer: Any, num_choices: int, n: int = 1) -> None:
+    def __init__(self, kind: str, model: str, tokenizer: Any, num_choices: int, n: int = 1,
+                 tools: bool = False) -> None:
         self.kind = kind  # "completion" | "chat"
+        self.tools = tools  # the answer may hold tool calls (Hermes format): parse them out
+        self.streams = [ToolStream() for _ in range(num_choices)] if tools else []
         self.n = n
         self.model = model
         self.tokenizer = tokenizer
@@ -313,8 +400,16 @@ class Responder:
             if not self.sent_role[chunk.index]:
                 self.sent_role[chunk.index] = True
                 delta["role"] = "assistant"
-            if chunk.text or not delta:
-                delta["content"] = chunk.text
+            text, calls = chunk.text, []
+            if self.tools:
+                stream = self.streams[chunk.index]
+                text, calls = stream.feed(chunk.text, final=chunk.finished is not None)
+                if stream.calls and choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            if calls:
+                delta["tool_calls"] = calls
+            if text or not delta:
+                delta["content"] = text
             choice["delta"] = delta
             obj = "chat.completion.chunk"
         else:
@@ -335,8 +430,15 @@ class Responder:
             self.cached_tokens[index] = result["cached_tokens"]
             logprobs = self._logprobs(result["output_ids"], result["logprobs"], result["top_logprobs"])
             if self.kind == "chat":
-                choices.append({"index": index, "message": {"role": "assistant", "content": result["text"]},
-                                "logprobs": logprobs, "finish_reason": finish_reason(result["finished"])})
+                message: dict[str, Any] = {"role": "assistant", "content": result["text"]}
+                reason = finish_reason(result["finished"])
+                if self.tools:
+                    content, calls = parse(result["text"])
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [call.to_openai() for call in calls]}
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": result["text"], "logprobs": logprobs,
                                 "finish_reason": finish_reason(result["finished"])})

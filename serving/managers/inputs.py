@@ -22,6 +22,7 @@ from models.sampling import random_seed
 
 from .grammar import GrammarError, compile_grammar, constraint_of
 from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
+from .tools import hermes_messages
 
 __all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest"]
 
@@ -43,6 +44,7 @@ class GenerateInput(msgspec.Struct, forbid_unknown_fields=True):
     text: str | list[str] | None = None
     input_ids: list[TokenId | Prompt] | None = None  # one prompt, or a batch of prompts
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
+    tools: list[dict[str, Any]] | None = None  # with messages: OpenAI tool definitions the model may call
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: RequestId | list[RequestId] | None = None
     stream: bool = False
@@ -85,6 +87,7 @@ class Expander:
         self.tokenizer = tokenizer
         self.limits = limits
         self.vocab = len(tokenizer)
+        self._renders_tools: bool | None = None
 
     @staticmethod
     def is_large(obj: GenerateInput) -> bool:
@@ -160,7 +163,9 @@ class Expander:
         if len(given) != 1:
             raise InvalidRequest("give exactly one of text, input_ids or messages")
         if obj.messages is not None:
-            return [self._chat(obj.messages)]
+            return [self._chat(obj.messages, obj.tools)]
+        if obj.tools is not None:
+            raise InvalidRequest("tools: only with messages")
         if obj.text is not None:
             texts = [obj.text] if isinstance(obj.text, str) else obj.text
             if not texts:
@@ -181,9 +186,28 @@ class Expander:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        extra: dict[str, Any] = {}
+        if tools:
+            if self.template_renders_tools():
+                extra["tools"] = tools
+            else:  # the template ignores tools: the Hermes format, in the messages themselves
+                messages = hermes_messages(messages, tools)
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                          **extra)
         except Exception as exc:  # a template error is the request's fault
             raise InvalidRequest(f"messages: cannot apply the chat template: {exc}") from None
         return self.tokenize(rendered)
+
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template does anything with ``tools`` (asked once)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
+            try:
+                with_tools = self.tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
+                self._renders_tools = with_tools != self.tokenizer.apply_chat_template(probe, tokenize=False)
+            except Exception:  # noqa: BLE001 - a template that chokes on tools does not render them
+                self._renders_tools = False
+        return self._renders_tools

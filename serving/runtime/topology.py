@@ -63,6 +63,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     # /update_weights_from_disk: paths under the model's own directory or one of these only
     weights_roots: list[str] = []
     weights_drain_timeout: float = 60.0  # requests in flight must finish within this, else 409
+    tool_call_parser: Literal["hermes"] = "hermes"  # how tool calls are written and read (vLLM's names)
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
