@@ -232,7 +232,7 @@ class RawHTTP:
 
 # ---- one request ------------------------------------------------------------
 
-def request_body(args, model: str, prompt) -> dict:
+def request_body(args, model: str, prompt, constrained: bool = False) -> dict:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": args.output_len, "min_tokens": args.output_len,
             "ignore_eos": True, "temperature": 0.0}
@@ -240,6 +240,11 @@ def request_body(args, model: str, prompt) -> dict:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if constrained and args.json_schema:
+        schema = json.loads(Path(args.json_schema).read_text())
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    elif constrained and args.tools:
+        body.update(tools=json.loads(Path(args.tools).read_text()), tool_choice="required")
     return body
 
 
@@ -334,7 +339,7 @@ def make_prompts(rng: np.random.Generator, n: int, args, text: bool) -> list:
     return [row.tolist() for row in ids]
 
 
-async def run_requests(client, args, model, prompts, concurrency, rate, rng, text, desc):
+async def run_requests(client, args, model, prompts, concurrency, rate, rng, text, desc, constrained=False):
     """Send all prompts; returns (results, wall seconds, client CPU seconds)."""
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     limiter = trio.CapacityLimiter(concurrency or len(prompts) or 1)
@@ -343,7 +348,7 @@ async def run_requests(client, args, model, prompts, concurrency, rate, rng, tex
 
     async def one(prompt):
         async with limiter:
-            results.append(await send_one(client, path, request_body(args, model, prompt),
+            results.append(await send_one(client, path, request_body(args, model, prompt, constrained),
                                           args.input_len, args.timeout))
         bar.update(1)
 
@@ -425,12 +430,20 @@ async def benchmark(args) -> dict:
             await run_requests(client, args, model, prompts, args.max_concurrency[0],
                                math.inf, rng, text, "warmup")
         runs = []
+        variants = [False, True] if (args.json_schema or args.tools) else [False]
         for concurrency in args.max_concurrency:
-            prompts = make_prompts(rng, args.num_prompts, args, text)
-            results, wall, cpu = await run_requests(
-                client, args, model, prompts, concurrency, args.request_rate, rng, text,
-                f"concurrency {concurrency or 'inf'}")
-            runs.append(summarize(results, wall, cpu, concurrency, args.request_rate))
+            for constrained in variants:  # the same prompts, free then constrained: a ratio from one run
+                prompts = make_prompts(np.random.default_rng([args.seed, concurrency or 0]), args.num_prompts,
+                                       args, text) if len(variants) > 1 else make_prompts(rng, args.num_prompts,
+                                                                                          args, text)
+                results, wall, cpu = await run_requests(
+                    client, args, model, prompts, concurrency, args.request_rate, rng, text,
+                    f"concurrency {concurrency or 'inf'}{' constrained' if constrained else ''}", constrained)
+                runs.append({**summarize(results, wall, cpu, concurrency, args.request_rate),
+                             "constrained": constrained})
+            if len(variants) > 1:  # constrained / free output tok/s at this concurrency
+                free, bound = runs[-2]["output_throughput"], runs[-1]["output_throughput"]
+                runs[-1]["throughput_ratio_to_free"] = bound / free if free else None
     finally:
         await client.aclose()
     settings = {k: v for k, v in vars(args).items() if k != "api_key"}
@@ -451,6 +464,10 @@ def print_table(report: dict) -> None:
     print(" " * len(head) + groups)
     print(head + "".join(f"{'mean':>9}{'p50':>9}{'p99':>9}" for _ in METRICS))
     for run in report["runs"]:
+        if run.get("constrained"):
+            ratio = run.get("throughput_ratio_to_free")
+            print(f"      constrained ({'tools' if report['args'].get('tools') else 'json_schema'}): "
+                  f"{num(ratio, 5, 2)} x the free run's output tok/s")
         line = (f"{run['max_concurrency'] or 'inf':>5} {run['completed']:>5} {run['failed']:>4} "
                 f"{num(run['request_throughput'], 7, 2)} {num(run['output_throughput'], 9)} "
                 f"{num(run['total_token_throughput'], 9)} ")
@@ -513,6 +530,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per network read")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--plot", help="PNG of latency and throughput against concurrency")
+    p.add_argument("--json-schema", help="a JSON schema file: each concurrency also runs with every request "
+                   "constrained by it (response_format), the output tok/s ratio to the free run reported")
+    p.add_argument("--tools", help="a JSON file of OpenAI tools: each concurrency also runs with tool_choice "
+                   "required over them (use with --endpoint chat)")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny sweep; against an in-process stub unless --base-url is given")
     args = p.parse_args(argv)

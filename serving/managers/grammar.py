@@ -69,7 +69,7 @@ def _build(kind: str, text: str) -> str:
             schema = json.loads(text)
             if not isinstance(schema, dict | bool):
                 raise GrammarError("json_schema: a schema is a JSON object")
-            # separators fixed to ", " and ": " (json.dumps's): no run of whitespace a model can loop in
+            # compact separators, no free whitespace: no run of spaces or newlines a model can loop in
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                                  defaults={"whitespace_flexible": False})
         if kind == "regex":

@@ -169,3 +169,49 @@ async def test_tokenize_and_detokenize_in_vllm_shapes(server_tiny):
                        ({"tokens": [10**7]}, "tokens")):
         r = await client.post("/detokenize" if "tokens" in bad else "/tokenize", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.slow
+async def test_smollm2_structured_output_and_tools_through_the_official_client(nursery):
+    """The embedded SmolLM2: parse() into a Pydantic model, JSON mode, a regex, a streamed schema, a tool call."""
+    import openai
+    import pydantic
+
+    url, _ = await start_server(nursery, **{"model.path": None})
+
+    class City(pydantic.BaseModel):  # bounded: a 135M model, greedy, can write digits forever
+        name: str = pydantic.Field(max_length=40)
+        country: str = pydantic.Field(max_length=40)
+        population_millions: int = pydantic.Field(ge=0, le=100)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+    def use_client():
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        parsed = api.chat.completions.parse(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+            response_format=City, max_tokens=300, temperature=0)
+        mode = api.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Give a JSON object about cats."}],
+            response_format={"type": "json_object"}, max_tokens=120, temperature=0)
+        streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Describe Oslo as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema()}},
+            max_tokens=300, temperature=0, stream=True) if c.choices)
+        call = api.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What's the weather in Rome?"}],
+            tools=[weather], tool_choice="required", max_tokens=60, temperature=0)
+        return parsed, mode, streamed, call
+
+    parsed, mode, streamed, call = await trio.to_thread.run_sync(use_client)
+    assert isinstance(parsed.choices[0].message.parsed, City), parsed
+    if mode.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(mode.choices[0].message.content), dict)
+    City.model_validate_json(streamed)
+    tool_call = call.choices[0].message.tool_calls[0]
+    assert tool_call.function.name == "get_weather" and "city" in json.loads(tool_call.function.arguments)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        r = await client.post("/generate", json={"text": "My phone number is", "sampling_params": {
+            "max_new_tokens": 20, "temperature": 0, "regex": r"\+[0-9]{2} [0-9]{3} [0-9]{4}"}})
+        assert re.fullmatch(r"\+[0-9]{2} [0-9]{3} [0-9]{4}", r.json()["text"]), r.text
