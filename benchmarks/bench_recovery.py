@@ -10,6 +10,7 @@ kill -9s the scheduler (pid from ``/server_info``) K times, at 1/(K+1),
     python -m benchmarks.bench_recovery [--model PATH] [--requests 16] \\
         [--output-len 256] [--kills 1] [--json out.json]
     python -m benchmarks.bench_recovery --smoke   # tiny model, float32
+    python -m benchmarks.bench_recovery --dtype bfloat16 --deterministic both   # identity, mode off and on
 
 Figures (times are this process's ``perf_counter``):
 
@@ -213,6 +214,8 @@ def write_config(args, tmp: Path) -> Path:
     data["model"].update(path=args.model, dtype=args.dtype or data["model"]["dtype"])
     data["server"]["port"] = args.port
     data["supervision"]["max_restarts"] = max(data["supervision"]["max_restarts"], args.kills + 1)
+    data["supervision"]["quarantine_after"] = args.kills + 1  # kills from outside are no poison
+    data["scheduler"]["enable_deterministic_inference"] = args.deterministic_now
     path = tmp / "bench-recovery.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -226,7 +229,8 @@ async def benchmark(args) -> dict:
         config = write_config(args, tmp)
         topology = load_topology(config)
         report = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": topology.model.dtype,
-                  "requests": args.requests, "output_len": args.output_len, "kills": args.kills}
+                  "requests": args.requests, "output_len": args.output_len, "kills": args.kills,
+                  "deterministic": args.deterministic_now}
         report["model_load_s"] = await time_scheduler_start(topology)
         log = (tmp / "server.log").open("wb")
         started = time.perf_counter()
@@ -318,8 +322,8 @@ def print_table(r: dict) -> None:
     def s(value, unit=" s"):
         return "-" if value is None else f"{value:.3f}{unit}"
 
-    print(f"model {r['model']} ({r['dtype']}), {r['requests']} streaming requests x {r['output_len']} tokens, "
-          f"{r['kills']} kill(s) -9 of the scheduler")
+    print(f"model {r['model']} ({r['dtype']}{', deterministic inference' if r['deterministic'] else ''}), "
+          f"{r['requests']} streaming requests x {r['output_len']} tokens, {r['kills']} kill(s) -9 of the scheduler")
     print(f"{'kill':>4} {'pid':>8} {'-> /health down':>16} {'-> /health 200':>15} {'-> first token':>15} "
           f"{'tail tokens':>11}")
     for i, k in enumerate(r["per_kill"], 1):
@@ -356,6 +360,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for the server start, and again for all the requests")
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--deterministic", choices=["off", "on", "both"], default="off",
+                   help="the server's --enable-deterministic-inference; both: one run each, identity compared")
     p.add_argument("--smoke", action="store_true", help="tiny model in float32, 4 requests x 128 tokens")
     args = p.parse_args(argv)
     if args.smoke:
@@ -371,12 +377,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = trio.run(benchmark, args)
-    report.update(judge(report))
-    print_table(report)
+    reports = {}
+    for mode in (["off", "on"] if args.deterministic == "both" else [args.deterministic]):
+        args.deterministic_now = mode == "on"
+        report = reports[mode] = trio.run(benchmark, args)
+        report.update(judge(report))
+        print_table(report)
+    if len(reports) > 1:
+        print("identical to the fault-free run: " + ", ".join(
+            f"deterministic {mode} {r['identical_count']}/{r['requests']}" for mode, r in reports.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["failed"] == 0 else 1
+        out = reports if len(reports) > 1 else next(iter(reports.values()))
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if all(r["failed"] == 0 for r in reports.values()) else 1
 
 
 if __name__ == "__main__":

@@ -11,12 +11,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_bench_recovery_smoke(tmp_path):
+    """Both modes (--deterministic both): the report of each, and the identity line comparing them."""
     out = tmp_path / "recovery.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_recovery", "--smoke", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_recovery", "--smoke", "--deterministic", "both",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert "recovery (kill -> first resumed token" in proc.stdout  # the table
-    report = json.loads(out.read_text())
+    assert proc.stdout.count("recovery (kill -> first resumed token") == 2  # the tables
+    assert "identical to the fault-free run: deterministic off 4/4, deterministic on 4/4" in proc.stdout
+    reports = json.loads(out.read_text())
+    assert reports["off"]["deterministic"] is False and reports["on"]["deterministic"] is True
+    for report in reports.values():
+        check(report)
+
+
+def check(report):
     for key in ("recovery_s", "max_gap_s", "completed", "failed", "model_load_s", "restart_s",
                 "identical_to_fault_free", "target_met", "per_kill"):
         assert key in report, key

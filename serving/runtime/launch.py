@@ -119,7 +119,11 @@ class Supervised:
             self._failed(failure)
 
     def kill_scheduler(self, reason: BaseException) -> None:
-        """The scheduler hangs where no watchdog of its own sees it: restart it."""
+        """The scheduler hangs where no watchdog of its own sees it: restart it. Not while the
+        detokenizer restarts: no output can come until it is back, and the scheduler is not to blame."""
+        if "detokenizer" not in self.supervisor.running():
+            log.warning("outputs stalled while the detokenizer restarts; the scheduler is left alone (%s)", reason)
+            return
         self.supervisor.kill("scheduler", reason)
 
     def _on_event(self, event: SupervisorEvent) -> None:

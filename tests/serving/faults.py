@@ -7,6 +7,7 @@ import time
 import msgspec
 
 from actors import ActorChild
+from serving.managers.detokenizer import detokenizer_child
 from serving.managers.scheduler import Scheduler, SchedulerConfig
 
 
@@ -66,3 +67,13 @@ class PoisonedScheduler(Scheduler):
 def poisoned_scheduler_child(hub, *, address, config):
     parsed = msgspec.convert(config, SchedulerConfig)
     return ActorChild(lambda: PoisonedScheduler(parsed), address, hub)
+
+
+def slow_restarting_detokenizer_child(hub, *, delay, marker, **args):
+    """The detokenizer, each of whose starts after the first takes ``delay`` s longer (a marker
+    file says it started once): a restart that outlasts the output watchdog's timeout."""
+    if os.path.exists(marker):
+        time.sleep(delay)
+    else:
+        open(marker, "w").close()
+    return detokenizer_child(hub, **args)

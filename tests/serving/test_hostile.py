@@ -9,6 +9,7 @@ whenever it runs ends alone with an error; every other request resumes.
 import json
 import subprocess
 import sys
+from contextlib import aclosing
 from functools import partial
 
 import httpx
@@ -156,7 +157,8 @@ async def test_hostile_requests_get_4xx_and_harm_nothing(nursery):
             for _ in range(LIMIT // 1024 + 2):
                 yield b"a" * 1024
 
-        r = await client.post("/generate", content=chunks())
+        async with aclosing(chunks()) as body:  # the server stops reading it part way
+            r = await client.post("/generate", content=body)
         assert r.status_code == 413, r.text
         assert (await client.post("/generate", json=GREEDY)).json()["text"] == before
         assert runtime.status.restarts == {"scheduler": 0, "detokenizer": 0, "tokenizer": 0}

@@ -299,14 +299,20 @@ async def test_stops_eos_and_min_tokens_through_kills_equal_a_fault_free_run(nur
     assert_drained(info, stale_outputs=True)  # the scheduler may have run a step past a stop string
 
 
-async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline):
+async def test_detokenizer_kill_loses_and_repeats_nothing(nursery, baseline, tmp_path):
+    """... and while it restarts, for longer than the output watchdog's timeout, the silence
+    is not blamed on the scheduler."""
     async def kill_detokenizer(app, client):
         os.kill(app.state.server.runtime.supervisor.child("detokenizer").pid, signal.SIGKILL)
 
+    slow = {"process": "child", "address": "ipc://{runtime_dir}/detokenizer",
+            "target": "tests.serving.faults:slow_restarting_detokenizer_child",
+            "args": {"delay": 3.0, "marker": str(tmp_path / "started")}}
     bodies = requests_for(4, n=16)
-    texts, app = await run_with_fault(nursery, bodies, kill_detokenizer, stale_outputs=True)
+    texts, app = await run_with_fault(nursery, bodies, kill_detokenizer, stale_outputs=True, **{
+        "actors.detokenizer": slow, "watchdogs.output_timeout": 1.5})
     assert texts == baseline(bodies)
-    assert app.state.server.runtime.supervisor.restarts["detokenizer"] == 1
+    assert app.state.server.runtime.supervisor.restarts == {"scheduler": 0, "detokenizer": 1, "tokenizer": 0}
     assert_clean(app)
 
 

@@ -16,7 +16,7 @@ from serving.cli import serve_workers
 from serving.runtime.topology import TopologyError, load_topology
 
 from ..conftest import free_tcp_port
-from .test_http import assert_held_until_continued
+from .test_http import assert_held_until_continued, metric
 from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, runner  # noqa: F401 - fixtures
 from .test_update_weights import GREEDY, model_dirs, serving_a  # noqa: F401 - a fixture
 
@@ -43,14 +43,6 @@ async def pinned_clients(stack, url, per_worker=1, workers=2):
         if all(len(clients) == per_worker for clients in pinned.values()):
             return pinned
     raise AssertionError(f"could not reach every worker: {({w: len(c) for w, c in pinned.items()})}")
-
-
-async def metric(client, sample):
-    """The value of one Prometheus sample (its name and labels, as printed) in /metrics."""
-    text = (await client.get("/metrics")).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")]
-    assert len(values) == 1, (sample, text)
-    return values[0]
 
 
 def parse_sse(text):
@@ -238,10 +230,17 @@ async def test_a_dead_worker_frees_its_requests_and_the_other_keeps_serving(nurs
     nursery.cancel_scope.cancel()
 
 
-async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, baseline):
+async def test_faults_downstream_resume_the_requests_of_every_worker(nursery, baseline, tmp_path):
+    """8 streams on two workers through three faults: the scheduler's step hangs (each worker's
+    output watchdog reports the stall, WorkerStalled, and the main process kills the scheduler),
+    then a kill -9 of the scheduler, then one of the detokenizer. Each time every request of
+    every worker resumes; each ends with the text of a fault-free run."""
     bodies = requests_for(21, n=8, max_new_tokens=300)
     expected = baseline(bodies)
-    url, pool = await start_workers(nursery, **RECOVERY)
+    hang = {"process": "child", "address": "ipc://{runtime_dir}/scheduler",
+            "target": "tests.serving.faults:hanging_scheduler_child",
+            "args": {"steps": 30, "marker": str(tmp_path / "hung-once")}}
+    url, pool = await start_workers(nursery, **RECOVERY, **{"actors.scheduler": hang, "watchdogs.output_timeout": 3.0})
     texts = {}
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=4)
@@ -255,17 +254,25 @@ async def test_a_scheduler_kill_resumes_the_requests_of_every_worker(nursery, ba
             for i, body in enumerate(bodies):
                 inner.start_soon(one, pinned[i % 2][i // 2], body)
             probe = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
-            info = await wait_for(probe, lambda info: info["requests_by_worker"] == {"0": 4, "1": 4}
-                                  and info["steps"] >= 10)
+            await wait_for(probe, lambda info: info["requests_by_worker"] == {"0": 4, "1": 4})
+            with trio.fail_after(120):  # the step hangs after 30 steps; the stall is reported in 3 s
+                await pool.status.started("scheduler", 2)
+            assert (tmp_path / "hung-once").exists()
+            assert pool.status.crashes == {("scheduler", "OutputStalled"): 1}
+            info = await wait_for(probe, lambda info: info["steps"] >= 10)  # the new scheduler decodes
             os.kill(info["pids"]["scheduler"], signal.SIGKILL)
-            await pool.status.started("scheduler", 2)
+            await pool.status.started("scheduler", 3)
+            info = await wait_for(probe, lambda info: info["steps"] >= 10)
+            os.kill(info["pids"]["detokenizer"], signal.SIGKILL)
+            await pool.status.started("detokenizer", 2)
         info = (await probe.get("/server_info")).json()
-        assert await metric(probe, 'tercet_restarts{actor="scheduler"}') == 1
-        assert await metric(probe, "tercet_recovery_seconds_count") == 1
-        assert await metric(probe, "tercet_resumed_requests") == len(bodies)
+        assert await metric(probe, 'tercet_restarts{actor="scheduler"}') == 2
+        assert await metric(probe, 'tercet_restarts{actor="detokenizer"}') == 1
+        assert await metric(probe, "tercet_recovery_seconds_count") == 3
+        assert await metric(probe, "tercet_resumed_requests") == 3 * len(bodies)
     assert texts == expected
-    assert info["restarts"]["scheduler"] == 1
-    assert_drained(info)
+    assert info["restarts"]["scheduler"] == 2 and info["restarts"]["detokenizer"] == 1
+    assert_drained(info, stale_outputs=True)  # (the scheduler's outputs while the detokenizer restarted)
     nursery.cancel_scope.cancel()
 
 
