@@ -236,6 +236,11 @@ def request_body(args, model: str, prompt, constrained: bool = False) -> dict:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": args.output_len, "min_tokens": args.output_len,
             "ignore_eos": True, "temperature": 0.0}
+    if args.eos_bias is not None:  # a server without ignore_eos / min_tokens (transformers serve)
+        del body["min_tokens"], body["ignore_eos"]
+        body["logit_bias"] = {str(args.eos_bias): -100}
+    elif args.plain_openai:  # OpenAI's fields only (llama.cpp): EOS may end a request early
+        del body["min_tokens"], body["ignore_eos"]
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -534,6 +539,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "constrained by it (response_format), the output tok/s ratio to the free run reported")
     p.add_argument("--tools", help="a JSON file of OpenAI tools: each concurrency also runs with tool_choice "
                    "required over them (use with --endpoint chat)")
+    p.add_argument("--eos-bias", type=int, metavar="TOKEN_ID",
+                   help="suppress EOS by logit_bias {TOKEN_ID: -100} instead of ignore_eos/min_tokens "
+                   "(for servers that refuse those, e.g. transformers serve; SmolLM2's EOS is 2)")
+    p.add_argument("--plain-openai", action="store_true",
+                   help="send OpenAI's fields only (llama.cpp's server): EOS is not suppressed, check the "
+                   "output token counts")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny sweep; against an in-process stub unless --base-url is given")
     args = p.parse_args(argv)

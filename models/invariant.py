@@ -29,8 +29,9 @@ def row_tile(dtype: torch.dtype) -> int:
     return max(1, 64 // torch.empty((), dtype=dtype).element_size())
 
 
-def tiled_linear(x, weight, bias, tile: int, upcast: bool = False) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with every row computed in a `tile`-row GEMM of fixed shape."""
+def tiled_linear(x, product, bias, tile: int, upcast: bool = False) -> torch.Tensor:
+    """`product(x) + bias` with every row computed in a `tile`-row GEMM of fixed shape;
+    `product(rows, upcast)` is x W^T (layers.Linear.product), in fp32 when `upcast`."""
     rows = x.shape[0]
     padded = -(-rows // tile) * tile
     if padded == rows and x.is_contiguous() and x.data_ptr() % 64 == 0:
@@ -38,12 +39,8 @@ def tiled_linear(x, weight, bias, tile: int, upcast: bool = False) -> torch.Tens
     else:
         buf = x.new_zeros(padded, x.shape[1])
         buf[:rows] = x
-    if upcast:  # a bf16 product as fp32 sgemm on exact upcasts (CPUs without bf16 units)
-        buf, weight = buf.float(), weight.float()
-    out = buf.new_empty(padded, weight.shape[0])
-    w_t = weight.t()
-    for start in range(0, padded, tile):
-        torch.mm(buf[start : start + tile], w_t, out=out[start : start + tile])
+    # upcast: a bf16 product as fp32 sgemm on exact upcasts (CPUs without bf16 units)
+    out = torch.cat([product(buf[start : start + tile], upcast) for start in range(0, padded, tile)])
     out = out[:rows]
     if bias is not None:
         out = out + bias.to(out.dtype)

@@ -16,8 +16,8 @@ benchmarks/bench_model.py --deterministic). What it changes:
 - every GEMM runs in fixed tiles of `row_tile` rows (`invariant.py`);
 - attention is split-KV over absolute positions, the same code for decode
   and prefill rows, reading K/V back from the cache (`split_attention.py`);
-- silu is composed of position-independent ops; the logprobs' normaliser
-  is a per-row log_softmax (`sampling.py`).
+- silu is composed of position-independent ops (the logprobs' normaliser
+  is a per-row log_softmax in either mode, `sampling.py`).
 
 It is claimed for one machine, torch/MKL/oneDNN build and thread count
 (the tiles gave the same bits with 1 and 2 threads here, but GEMM kernels
@@ -154,7 +154,7 @@ class ModelRunner:
             logits, [s.params for s in picked],
             [s.num_cached + len(s.token_ids) for s in picked],
             [s.prompt_ids for s in picked], [s.output_ids for s in picked],
-            deterministic=self.deterministic, allowed=[s.allowed for s in picked],
+            allowed=[s.allowed for s in picked],
         )
         for k, j in enumerate(wanted):
             i = order[j]
