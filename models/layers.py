@@ -43,10 +43,14 @@ class Linear:
 
     On a CPU with bf16 units, `F.linear` in bf16 reorders W into oneDNN's blocked
     layout on every call, which is half its time at decode sizes (measured here,
-    W 3072 x 576: 114 us vs 54 us prepacked at 1 row, 217 vs 121 at 64, 735 vs
-    593 at 512). With `packed`, W is reordered once, at load, and the products
-    are bitwise those of `F.linear` (`packing_pays` checks both on the machine at
-    start-up); the plain W is not kept (`dense()` rebuilds it).
+    W 3072 x 576: 114 us vs 54 us prepacked at 1 row, 217 vs 121 at 64). With
+    `packed`, W is reordered once, at load, for `PACK_ROWS`-row products, and the
+    plain W is not kept (`dense()` rebuilds it). Up to a few hundred rows the
+    products are bitwise those of `F.linear` (`packing_pays` checks 1-200 rows on
+    the machine at start-up); past ~500 rows oneDNN may pick other kernels for the
+    two and they round differently. Past ~1000 rows F.linear's per-call layout is
+    faster (a 2048-token prefill: 3200 tok/s unpacked, 2580 packed); serving chunks
+    prefills at 512 tokens, where the two are even (3600 tok/s).
 
     With `upcast`, a bf16 product computed as fp32 sgemm on exact upcasts: the
     same numbers as a bf16 GEMM (bf16 inputs, fp32 accumulation, bf16 out), but

@@ -11,7 +11,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.skipif(not (cpu_has_bf16() and torch.backends.mkldnn.is_available()), reason="no bf16 units")
-@pytest.mark.parametrize("rows", [1, 5, 31, 33, 64, 129, 300])
+@pytest.mark.parametrize("rows", [1, 5, 31, 33, 64, 129, 200])
 def test_a_packed_projection_gives_f_linear_bits(rows):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 80, generator=generator).bfloat16()
