@@ -6,6 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # hundreds of connections against a real server
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

@@ -7,6 +7,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # kills the scheduler of a real server
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

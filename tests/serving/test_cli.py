@@ -13,6 +13,8 @@ import trio
 
 from ..conftest import free_tcp_port
 
+pytestmark = pytest.mark.slow  # starts `tercet serve` itself
+
 
 async def run_serve(*args, timeout=120):
     """Run ``tercet serve ARGS`` to its end: (exit code, what it wrote)."""

@@ -38,6 +38,7 @@ async def test_greedy_tokens_do_not_depend_on_the_batch_the_cache_or_chunking(dt
         assert [r["output_ids"] for r in await engine.generate(shared, GREEDY)] == shared_alone
 
 
+@pytest.mark.slow  # loads SmolLM2
 async def test_without_the_mode_bf16_tokens_do_depend_on_the_batch():
     """The control: the same check with the default kernels fails, so the one above can."""
     batch = prompts(24, seed=5)

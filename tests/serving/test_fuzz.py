@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import jsonschema
+import pytest
 import requests
 import schemathesis
 import trio
@@ -35,6 +36,8 @@ from serving.http.app import ROUTES, UNPROTECTED
 from serving.http.openai_api import NOT_IMPLEMENTED
 
 from .test_http import server, sse_events, start_server  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.slow  # hundreds of fuzzed requests against a real server
 
 GREEDY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
 # Examples per operation and mode (valid, invalid): the generation routes get the most.

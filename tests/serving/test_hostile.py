@@ -24,6 +24,8 @@ from .faults import LATE, LATE_POISON, POISON
 from .test_http import sse_events, start_server
 from .test_recovery import baseline, requests_for, run_all, runner, wait_until_healthy  # noqa: F401 - fixtures
 
+pytestmark = pytest.mark.slow  # a real server per test, poison requests crash its scheduler
+
 GREEDY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
 LIMIT = 64 * 1024  # server.max_request_bytes of the hostile server
 

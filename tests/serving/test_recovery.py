@@ -16,6 +16,8 @@ import trio
 from ..conftest import free_tcp_port
 from .test_http import sse_events, start_server
 
+pytestmark = pytest.mark.slow  # kills and restarts real child processes
+
 N_REQUESTS = 32
 # These tests kill the scheduler from outside, again and again: to the poison quarantine a kill
 # that lands while a request is on probation looks like that request's crash, so it is off here

@@ -115,6 +115,7 @@ async def test_constrained_requests_stay_valid_through_retract(tiny_loaded):
     assert info["retracted"] > 0
 
 
+@pytest.mark.slow  # kills the scheduler of a real server
 async def test_json_schema_streams_stay_valid_through_a_scheduler_kill(nursery):
     """8 json_schema streams (sampled: the grammar keeps choosing), the scheduler killed mid-way:
     all 8 complete and parse, and equal a fault-free run (the resumed matchers replayed)."""

@@ -127,6 +127,7 @@ async def test_a_weight_update_that_fails_keeps_the_old_weights_and_the_server(n
         assert (await client.post("/generate", json=GREEDY)).json()["output_ids"] == before
 
 
+@pytest.mark.slow  # kills the scheduler of a real server
 async def test_a_restarted_scheduler_loads_the_weights_that_were_active(nursery, model_dirs):
     import os
     import signal

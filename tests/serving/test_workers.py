@@ -20,7 +20,7 @@ from .test_http import assert_held_until_continued, metric
 from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, runner  # noqa: F401 - fixtures
 from .test_update_weights import GREEDY, model_dirs, serving_a  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # several worker processes per test
 
 
 async def start_workers(nursery, **overrides):
