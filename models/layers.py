@@ -124,10 +124,9 @@ def _seconds(call, repeats: int = 5) -> float:
 
 
 def _rms_norm(x, weight, eps):
-    # as transformers: normalise in float32, scale in the model dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # as transformers: normalise in float32, scale in the model dtype. F.rms_norm's one fp32 kernel
+    # gives the bits of transformers' x * rsqrt(mean(x^2) + eps) (tests/models/test_layers.py) in 1 op, not 5
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate(x, cos, sin):
@@ -154,14 +153,13 @@ class _Layer:
     def __call__(self, x, cos, sin, plan, k_cache, v_cache):
         cfg, tile = self.model, plan.row_tile
         h = _rms_norm(x, self.input_norm, cfg.eps)
-        qkv = self.qkv(h, cfg.upcast, tile)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv(h, cfg.upcast, tile).view(len(x), -1, cfg.head_dim)  # [T, heads + 2 kv_heads, d]
+        qk, v = qkv[:, : cfg.num_heads + cfg.num_kv_heads], qkv[:, cfg.num_heads + cfg.num_kv_heads :]
         if self.q_norm is not None:
-            q, k = _rms_norm(q, self.q_norm, cfg.eps), _rms_norm(k, self.k_norm, cfg.eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat([_rms_norm(q, self.q_norm, cfg.eps), _rms_norm(k, self.k_norm, cfg.eps)], dim=1)
+        qk = _rotate(qk, cos, sin)  # q and k heads at once: the same elementwise ops as one at a time
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         attn = attend(q, k, v, k_cache, v_cache, plan, cfg.scale)
         x = x + self.o(attn.reshape(len(x), cfg.q_size), cfg.upcast, tile)
         h = _rms_norm(x, self.post_norm, cfg.eps)

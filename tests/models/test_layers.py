@@ -1,4 +1,4 @@
-"""Prepacked projections (layers.Linear): the same bits as F.linear, or not used at all."""
+"""Projections and norms (models.layers): prepacked weights give F.linear's bits or are not used; the norm gives transformers' bits."""
 
 import pytest
 import torch
@@ -38,3 +38,16 @@ def test_packing_pays_on_a_cpu_with_bf16_units():
 def test_the_runner_packs_where_it_pays_and_not_for_fp32(tiny_llama):
     assert ModelRunner(tiny_llama, dtype=torch.bfloat16).model.packed == packing_pays(torch.bfloat16, CPU)
     assert not ModelRunner(tiny_llama, dtype=torch.float32).model.packed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33, 64, 700])
+def test_rms_norm_gives_the_bits_of_transformers_formula(dtype, rows):
+    from models.layers import _rms_norm
+
+    generator = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=generator) * 4).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    x32 = x.float()
+    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # LlamaRMSNorm
+    assert torch.equal(_rms_norm(x, weight, 1e-5), expected)
