@@ -68,7 +68,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     page_size: int = 1
-    kv_budget: int | str = "256MiB"
+    kv_budget: int | str = "1GiB"
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     chunked_prefill_size: int = 512
