@@ -39,7 +39,7 @@ from ..managers.messages import (
 from ..managers.grammar import GrammarError, constraint_of
 from ..managers.inputs import checked_grammar
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
-from ..managers.tools import ToolStream, call_grammar, parse
+from ..managers.tools import ToolStream, auto_grammar, call_grammar, parse
 
 __all__ = [
     "ChatRequest",
@@ -240,8 +240,6 @@ class ChatRequest(_Common):
         names = [t["function"]["name"] for t in tools]
         if len(set(names)) != len(names):
             raise InvalidRequest("tools: two tools have the same name")
-        if choice == "auto":
-            return tools, None
         only = None
         if isinstance(choice, ToolChoiceFunction):
             only = choice.function.name
@@ -253,6 +251,8 @@ class ChatRequest(_Common):
                     checked_grammar("json_schema", json.dumps(t["function"]["parameters"]))
                 except GrammarError as exc:
                     raise InvalidRequest(f"tools: the parameters of {t['function']['name']}: {exc}") from None
+        if choice == "auto":
+            return tools, auto_grammar(tools, self.parallel_tool_calls)
         return tools, call_grammar(tools, only, self.parallel_tool_calls)
 
 
@@ -300,9 +300,11 @@ def chat_input(req: ChatRequest) -> GenerateInput:
     sampling = req.sampling(max_tokens)
     tools, grammar = req.tool_use()
     if grammar is not None:
-        if constraint_of(sampling) is not None:
+        if constraint_of(sampling) is None:
+            sampling = msgspec.structs.replace(sampling, grammar=grammar)
+        elif req.tool_choice not in (None, "auto"):
             raise InvalidRequest("tool_choice: a required tool call cannot be combined with response_format")
-        sampling = msgspec.structs.replace(sampling, grammar=grammar)
+        # (auto with a response_format: the format holds, and the model answers in it rather than calling)
     return GenerateInput(
         messages=messages, tools=tools, sampling_params=sampling, stream=req.stream, rid=req.rid,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs if req.logprobs else 0,

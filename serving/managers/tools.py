@@ -16,7 +16,8 @@ earlier calls in the history rendered the same way, and tool results as
 (``call_grammar``): the output is one or more calls (one with
 ``parallel_tool_calls: false``) to the functions allowed, with arguments
 valid against each function's JSON schema. ``auto`` leaves the choice to the
-model, and ``parse`` finds the calls it made.
+model, but a call it starts is held to the same schemas (``auto_grammar``), and
+``parse`` finds the calls it made.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PARSERS", "ToolCall", "ToolStream", "call_grammar", "hermes_messages", "parse"]
+__all__ = ["PARSERS", "ToolCall", "ToolStream", "auto_grammar", "call_grammar", "hermes_messages", "parse"]
 
 PARSERS = ("hermes",)  # --tool-call-parser (vLLM's names)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -84,6 +85,27 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
 
 def call_grammar(tools: list[dict[str, Any]], only: str | None = None, parallel: bool = True) -> str:
     """A lark grammar whose sentences are Hermes calls to ``tools`` (or to the one named ``only``)."""
+    calls = "call+" if parallel else "call"
+    return (f"start: {calls}\n"
+            f'call: "{OPEN}\\n" body "\\n{CLOSE}\\n"\n'
+            f"body: %json {json.dumps(_call_schema(tools, only))}\n")
+
+
+def auto_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    """``tool_choice: auto``: text as the model likes, but once it writes ``<tool_call>`` the
+    rest of that block must be a valid call to one of ``tools`` (llguidance's lazy lexeme: it
+    ends at the first ``<tool_call>``, so free text cannot swallow a malformed call). With
+    ``parallel``, text and calls may alternate; without, the output ends after one call."""
+    start = "start: call* TEXT" if parallel else "start: TEXT | call"
+    return ("%llguidance {}\n"
+            f"{start}\n"
+            f'call_open[lazy]: TEXT "{OPEN}"\n'
+            f'call: call_open "\\n" body "\\n{CLOSE}\\n"\n'
+            f"body: %json {json.dumps(_call_schema(tools, None))}\n"
+            "TEXT: /(.|\\n)*/\n")
+
+
+def _call_schema(tools: list[dict[str, Any]], only: str | None) -> dict[str, Any]:
     shapes = []
     for tool in tools:
         function = tool["function"]
@@ -92,11 +114,7 @@ def call_grammar(tools: list[dict[str, Any]], only: str | None = None, parallel:
         arguments = function.get("parameters") or {"type": "object"}
         shapes.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
                        "required": ["name", "arguments"], "additionalProperties": False})
-    schema = {"anyOf": shapes, "x-guidance": {"whitespace_flexible": False}}
-    calls = "call+" if parallel else "call"
-    return (f"start: {calls}\n"
-            f'call: "{OPEN}\\n" body "\\n{CLOSE}\\n"\n'
-            f"body: %json {json.dumps(schema)}\n")
+    return {"anyOf": shapes, "x-guidance": {"whitespace_flexible": False}}
 
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -9,7 +9,12 @@ import jsonschema
 import pytest
 import trio
 
-from serving.managers.tools import ToolStream, call_grammar, hermes_messages, parse
+import llguidance
+import llguidance.hf
+
+from models.loading import load_tokenizer
+from serving.managers.grammar import compile_grammar
+from serving.managers.tools import ToolStream, auto_grammar, call_grammar, hermes_messages, parse
 
 from .test_http import sse_events, start_server
 
@@ -118,3 +123,31 @@ def test_the_hermes_parser_and_stream_on_their_own():
     assert rendered[0]["content"].startswith("Be brief.") and "<tools>" in rendered[0]["content"]
     assert "<tool_call>" in rendered[2]["content"] and rendered[3]["content"].startswith("<tool_response>")
     assert "call+" in call_grammar([WEATHER]) and "call\n" in call_grammar([WEATHER], parallel=False)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_leaves_text_free_but_holds_a_started_call_to_the_schemas(parallel):
+    tokenizer = load_tokenizer(None)  # the embedded SmolLM2's
+    grammar = compile_grammar("grammar", auto_grammar([WEATHER, TIME], parallel))
+    lltok = llguidance.hf.from_tokenizer(tokenizer)
+
+    def outcome(text):
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        matcher.consume_tokens(tokenizer(text, add_special_tokens=False).input_ids)
+        return "refused" if matcher.is_error() else "may end" if matcher.is_accepting() else "must go on"
+
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","unit":"C"}}\n</tool_call>\n'
+    assert outcome("It is sunny in Paris, no tool needed.") == "may end"
+    assert outcome("Let me check. " + call) == "may end"
+    assert outcome('Let me check. <tool_call>\n{"name":"get_weather","argu') == "must go on"  # no EOS mid-call
+    assert outcome('Let me check. <tool_call>\n{"name":"get_news","arguments":{}}') == "refused"
+    assert outcome('<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome","unit":"C"}}') == "refused"
+    second = call.replace("get_weather", "get_time").replace('"city":"Oslo","unit":"C"', '"zone":"UTC"')
+    assert outcome(call + "and " + second) == ("may end" if parallel else "refused")
+
+
+async def test_auto_with_an_invalid_parameter_schema_is_a_400(client):
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
+    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": ASK, "tools": [broken],
+                                                        "max_tokens": 4})
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"], r.text
