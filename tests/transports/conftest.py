@@ -3,6 +3,7 @@ import socket
 
 import msgspec
 import pytest
+import zmq
 
 from transports import open_hub
 
@@ -20,6 +21,35 @@ class Note(msgspec.Struct, tag=True, array_like=True, gc=False):
     sender: int
     seq: int
     body: bytes = b""
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def wire_address(request, tmp_path):
+    """An address of each kind whose messages cross a real zmq socket."""
+    if request.param == "ipc":
+        return f"ipc://{tmp_path}/wire.sock"
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
+
+
+@pytest.fixture
+def raw_dealer():
+    """A plain pyzmq DEALER: a peer that sends whatever frames a test likes. ``make(address,
+    NAME=value)`` sets zmq socket options by name (it reconnects every 10 ms unless told)."""
+    context = zmq.Context()
+    sockets = []
+
+    def make(address: str, **options) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        for name, value in {"RECONNECT_IVL": 10, **options}.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
 
 
 @pytest.fixture(params=SCHEMES)

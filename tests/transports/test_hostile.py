@@ -18,7 +18,7 @@ import zmq
 from transports import Array, CurveConfig, Encoder, Frames, InsecureBindError, open_hub
 from transports import _zmqreceiver
 
-from .conftest import Note, free_tcp_port
+from .conftest import Note
 from .monitors import events_of
 
 
@@ -28,32 +28,6 @@ class Generate(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 Wire = Note | Generate
-
-
-@pytest.fixture(params=["ipc", "tcp"])
-def wire_address(request, tmp_path):
-    if request.param == "ipc":
-        return f"ipc://{tmp_path}/hostile.sock"
-    return f"tcp://127.0.0.1:{free_tcp_port()}"
-
-
-@pytest.fixture
-def raw_dealer():
-    """A plain pyzmq DEALER: a peer that sends whatever frames a test likes."""
-    context = zmq.Context()
-    sockets = []
-
-    def make(address: str) -> zmq.Socket:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RECONNECT_IVL, 10)
-        sock.connect(address)
-        sockets.append(sock)
-        return sock
-
-    yield make
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
 
 
 # -- typed arrays ------------------------------------------------------------------

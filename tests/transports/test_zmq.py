@@ -15,7 +15,7 @@ import zmq.auth
 from transports import Address, AddressError, Decoder, Encoder, open_hub
 from transports.zmq import CurveConfig, ZmqTransport
 
-from .conftest import Note, free_tcp_port
+from .conftest import Note
 from .monitors import ADMITTED, events_of
 
 
@@ -25,33 +25,6 @@ class Tensor(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 Wire = Union[Note, Tensor]
-
-
-@pytest.fixture(params=["ipc", "tcp"])
-def wire_address(request, tmp_path):
-    if request.param == "ipc":
-        return f"ipc://{tmp_path}/wire.sock"
-    return f"tcp://127.0.0.1:{free_tcp_port()}"
-
-
-@pytest.fixture
-def raw_dealer():
-    """A plain pyzmq DEALER: the peer that sends whatever bytes a test likes."""
-    context = zmq.Context()
-    sockets = []
-
-    def make(address: str, **options) -> zmq.Socket:
-        sock = context.socket(zmq.DEALER)
-        for name, value in options.items():
-            sock.setsockopt(getattr(zmq, name), value)
-        sock.connect(address)
-        sockets.append(sock)
-        return sock
-
-    yield make
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
 
 
 async def test_arrays_travel_out_of_band(wire_address):
