@@ -166,14 +166,19 @@ def _deferred(box: list[Check | None]) -> Check:
     return check
 
 
+def _within(where: str, check: Check, value: Any) -> None:
+    """``check(value)``, a mismatch's path prefixed with ``where`` (the field, index or key)."""
+    try:
+        check(value)
+    except ArrayMismatch as exc:
+        exc.path.insert(0, where)
+        raise
+
+
 def _fields(fields: list[tuple[str, Check]]) -> Check:
     def check(value: Any) -> None:
         for name, check_field in fields:
-            try:
-                check_field(getattr(value, name))
-            except ArrayMismatch as exc:
-                exc.path.insert(0, f".{name}")
-                raise
+            _within(f".{name}", check_field, getattr(value, name))
 
     return check
 
@@ -184,11 +189,7 @@ def _items(check_item: Check | None) -> Check | None:
 
     def check(value: Any) -> None:
         for index, item in enumerate(value):
-            try:
-                check_item(item)
-            except ArrayMismatch as exc:
-                exc.path.insert(0, f"[{index}]")
-                raise
+            _within(f"[{index}]", check_item, item)
 
     return check
 
@@ -200,11 +201,7 @@ def _positions(checks: list[Check | None]) -> Check | None:
     def check(value: Any) -> None:
         for index, (item, check_item) in enumerate(zip(value, checks)):
             if check_item is not None:
-                try:
-                    check_item(item)
-                except ArrayMismatch as exc:
-                    exc.path.insert(0, f"[{index}]")
-                    raise
+                _within(f"[{index}]", check_item, item)
 
     return check
 
@@ -215,10 +212,6 @@ def _values(check_value: Check | None) -> Check | None:
 
     def check(value: Any) -> None:
         for key, item in value.items():
-            try:
-                check_value(item)
-            except ArrayMismatch as exc:
-                exc.path.insert(0, f"[{key!r}]")
-                raise
+            _within(f"[{key!r}]", check_value, item)
 
     return check
