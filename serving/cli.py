@@ -49,6 +49,7 @@ OVERRIDES = {
     "max_running_requests": "scheduler.max_running_requests",
     "max_queued_requests": "scheduler.max_queued_requests",
     "chunked_prefill_size": "scheduler.chunked_prefill_size",
+    "stream_interval": "scheduler.stream_interval",
     "kv_budget": "scheduler.kv_budget",
     "page_size": "scheduler.page_size",
     "schedule_policy": "scheduler.schedule_policy",
@@ -79,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--max-running-requests", type=int)
     serve_p.add_argument("--max-queued-requests", type=int)
     serve_p.add_argument("--chunked-prefill-size", type=int)
+    serve_p.add_argument("--stream-interval", type=int,
+                         help="send tokens every N (default 1): fewer stream events, less CPU per token")
     serve_p.add_argument("--kv-budget", help="KV cache memory, e.g. 512MiB")
     serve_p.add_argument("--page-size", type=int)
     serve_p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])

@@ -9,7 +9,7 @@ scheduler.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -68,18 +68,20 @@ async def _closing(stream: Any) -> AsyncIterator[Any]:
 
 class _Stream(StreamingResponse):
     """An SSE response that releases the request (stream closed, gate left) however it
-    ends — even when the client left before the body started."""
+    ends — even when the client left before the body started. Its event generator is closed
+    here too: starlette abandons it half-way when the client leaves."""
 
-    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], release: Callable[[], Awaitable[Any]]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._release = release
+        self._content, self._release = content, release
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with trio.CancelScope(shield=True):
+                await self._content.aclose()
                 await self._release()
 
 
@@ -133,7 +135,7 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
 
 
 async def _events(first: Chunk, stream: AsyncIterator[Chunk], timer: Any, piece: Renderer,
-                  tail: Callable[[], list[Any]]) -> AsyncIterator[bytes]:
+                  tail: Callable[[], list[Any]]) -> AsyncGenerator[bytes, None]:
     if (data := piece(first)) is not None:
         yield _sse(data)
     async for chunk in stream:

@@ -42,6 +42,7 @@ class Limits:
     chunked_prefill_size: int = 512
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     max_context_len: int = 8192
+    stream_interval: int = 1  # send a request's tokens every so many (its first and last at once)
 
 
 @dataclass(eq=False)
@@ -65,6 +66,7 @@ class Req:
     finished: FinishReason | None = None
     sent_init: bool = False
     matcher: Any = None  # its grammar's state (an llguidance LLMatcher) when it is constrained
+    held: Output | None = None  # tokens not sent yet (Limits.stream_interval)
 
     @property
     def num_generated(self) -> int:
@@ -274,8 +276,22 @@ class BatchState:
                 del self.by_rid[req.rid]
                 self.running.remove(req)
                 self._release(req, keep=True)
-            outputs.append(Output(req, [token], logprobs, top))
+            out = Output(req, [token], logprobs, top)
+            if req.held is not None:  # the tokens stream_interval held back go first
+                held, req.held = req.held, None
+                out = Output(req, held.new_ids + out.new_ids, held.logprobs + out.logprobs,
+                             held.top_logprobs + out.top_logprobs)
+            if req.finished is None and self._holds(req):
+                req.held = out
+            else:
+                outputs.append(out)
         return outputs
+
+    def _holds(self, req: Req) -> bool:
+        """Whether this token waits for more (stream_interval): not the first of this incarnation."""
+        interval = self.limits.stream_interval
+        fresh = req.num_generated - req.num_prior
+        return interval > 1 and fresh > 1 and fresh % interval != 0
 
     def _grammar_end(self, req: Req, token: int) -> FinishReason | None:
         """A constrained request ends when its grammar can go no further (or, never, rejects a token)."""

@@ -58,6 +58,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_queued_requests: int = 1024
     chunked_prefill_size: int = 512
     schedule_policy: str = "fcfs"
+    stream_interval: int = 1
     enable_prefix_cache: bool = True
     deterministic: bool = False  # batch-invariant kernels: the same logits whatever else runs
     step_timeout: float = 120.0
@@ -139,6 +140,7 @@ class Scheduler(Actor):
         limits = Limits(
             self.config.max_running_requests, self.config.max_queued_requests,
             self.config.chunked_prefill_size, self.config.schedule_policy, runner.context_len,
+            self.config.stream_interval,
         )
         self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits,
                                 vocab_size=int(runner.config.vocab_size))

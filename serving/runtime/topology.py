@@ -74,6 +74,9 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     chunked_prefill_size: int = 512
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     enable_prefix_cache: bool = True
+    # send each request's tokens every so many (SGLang's --stream-interval): fewer, larger stream
+    # events for less CPU per token; the first token and the last are sent at once
+    stream_interval: int = 1
     # batch-invariant kernels (SGLang's --enable-deterministic-inference): a request's greedy output
     # is the same whatever else runs, and a resumed stream continues with exactly its text
     enable_deterministic_inference: bool = False
@@ -139,6 +142,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.scheduler.page_size >= 1, "scheduler.page_size", "must be >= 1"),
             (self.scheduler.max_running_requests >= 1, "scheduler.max_running_requests", "must be >= 1"),
             (self.scheduler.chunked_prefill_size >= 1, "scheduler.chunked_prefill_size", "must be >= 1"),
+            (1 <= self.scheduler.stream_interval <= 1024, "scheduler.stream_interval", "must be in 1..1024"),
             (self.supervision.max_restarts >= 0, "supervision.max_restarts", "must be >= 0"),
             (self.supervision.quarantine_after >= 1, "supervision.quarantine_after", "must be >= 1"),
             (1 <= self.server.max_batch_size <= 65536, "server.max_batch_size", "must be in 1..65536"),
@@ -220,7 +224,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             kv_budget_bytes=parse_size(s.kv_budget, "scheduler.kv_budget"),
             max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
             chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
-            enable_prefix_cache=s.enable_prefix_cache, deterministic=s.enable_deterministic_inference,
+            stream_interval=s.stream_interval, enable_prefix_cache=s.enable_prefix_cache,
+            deterministic=s.enable_deterministic_inference,
             step_timeout=self.watchdogs.step_timeout,
             detokenizer=detokenizer, tokenizer=tokenizer_source(self.model),
         )

@@ -216,3 +216,26 @@ def test_seeded_sampling_resumes_identically(runner):
     full = drain(state, runner)["full"]["ids"]
     state.add(GenerateReq("part", np.asarray(p + full[:4], dtype=np.int32), sampling, num_prior_output=4))
     assert drain(state, runner)["part"]["ids"] == full[4:]
+
+
+@pytest.mark.parametrize("interval", [2, 3])
+def test_stream_interval_sends_the_first_token_then_every_nth_and_the_last(runner, interval):
+    """11 tokens with interval 3: sent after tokens 1, 3, 6, 9 and 11 (the end): every token once,
+    in order, the same as interval 1; the logprobs travel with their tokens."""
+    p = prompts(1, seed=9)[0]
+    ref = reference(runner, p, 11)
+    free = runner.kv.num_free
+    state = make_state(runner, stream_interval=interval)
+    state.add(req("r", p, SamplingParams(max_new_tokens=11, temperature=0.0, ignore_eos=True)))
+    sizes, ids, logprobs = [], [], []
+    while not state.idle:
+        batch = state.schedule()
+        for out in state.postprocess(batch, runner.step(batch.seqs)):
+            sizes.append(len(out.new_ids))
+            ids += out.new_ids
+            logprobs += out.logprobs
+    assert ids == ref
+    sent_after = sorted({1, 11} | set(range(interval, 12, interval)))  # interval 3: 1, 3, 6, 9, 11
+    assert sizes == [b - a for a, b in zip([0, *sent_after], sent_after)], sizes
+    state.cache.reset()
+    assert runner.kv.num_free == free

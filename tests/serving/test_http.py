@@ -484,3 +484,19 @@ async def test_official_openai_client(server, tiny_runner, tokenizer):
     whole, streamed, chat_whole, chat_streamed = await trio.to_thread.run_sync(use_client)
     assert whole == streamed == expected_completion and whole
     assert chat_whole == chat_streamed == expected_chat and chat_whole
+
+
+async def test_stream_interval_sends_fewer_larger_events_with_the_same_text(nursery):
+    """scheduler.stream_interval 4: a 10-token stream arrives in events after tokens 1, 4, 8 and 10
+    (each event of /generate carries the output so far) and ends as interval 1 ends."""
+    body = {"input_ids": [5, 6, 7], "stream": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    finals = {}
+    for interval in (1, 4):
+        url, _ = await start_server(nursery, **{"model.dtype": "float32", "scheduler.stream_interval": interval})
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            events = sse_events((await client.post("/generate", json=body)).text)
+        finals[interval] = (events[-1]["text"], events[-1]["output_ids"])
+        counts = [len(e["output_ids"]) for e in events]
+        assert counts == ([1, 4, 8, 10] if interval == 4 else list(range(1, 11))), counts
+    assert finals[4] == finals[1]
