@@ -19,6 +19,7 @@ def test_every_shipped_topology_validates():
         load_topology(name).check()
 
 
+@pytest.mark.slow  # each starts the topology's child processes
 @pytest.mark.parametrize("name", ["default", "tcp"])
 async def test_shipped_topology_starts_and_serves(nursery, name):
     overrides = {}
@@ -112,6 +113,7 @@ def test_a_remote_tcp_address_is_allowed_with_curve_or_when_insecure_is_asked_fo
     assert load_topology(write(tmp_path, "actors:\n  scheduler: {address: 'tcp://[::1]:5000'}\n"))
 
 
+@pytest.mark.slow  # starts child processes linked over tcp with CURVE
 async def test_tcp_links_with_generated_curve_keys_serve(nursery):
     """Every link over tcp with CURVE: the child processes get the keys with their hub options."""
     tcp = {name: {"process": "child" if name != "tokenizer" else "main",
