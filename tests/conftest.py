@@ -1,4 +1,8 @@
+import json
+import pathlib
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -13,3 +17,15 @@ def free_tcp_port() -> int:
 @pytest.fixture
 def tcp_address():
     return lambda: f"tcp://127.0.0.1:{free_tcp_port()}"
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(module: str, *args: str, json_path, timeout: float):
+    """``python -m benchmarks.<module> *args --json json_path`` from the repository root; it must
+    exit 0. Its stdout (the table) and the JSON it wrote."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--json", str(json_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout, json.loads(pathlib.Path(json_path).read_text())

@@ -1,25 +1,12 @@
 """benchmarks/bench_codec.py runs in smoke mode and writes well-formed JSON."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .conftest import run_benchmark
 
 
 def test_bench_codec_smoke(tmp_path):
-    out = tmp_path / "codec.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_codec", "--smoke", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "speedup" in proc.stdout  # the table header
-    cases = json.loads(out.read_text())["cases"]
+    stdout, report = run_benchmark("bench_codec", "--smoke", json_path=tmp_path / "codec.json", timeout=60)
+    assert "speedup" in stdout  # the table header
+    cases = report["cases"]
     names = [case["name"] for case in cases]
     assert len(names) == len(set(names)) >= 4
     assert any("abort" in n for n in names)
@@ -29,4 +16,4 @@ def test_bench_codec_smoke(tmp_path):
         assert case["msgspec_us"] > 0 and case["pickle_us"] > 0, case
         assert case["speedup"] > 0, case
         assert case["msgspec_bytes"] > 0 and case["pickle_bytes"] > 0, case
-        assert case["name"] in proc.stdout
+        assert case["name"] in stdout

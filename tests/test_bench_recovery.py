@@ -2,27 +2,19 @@
 float32), its scheduler killed -9 under load; every request completes with
 the fault-free text."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = pytest.mark.slow  # kills the scheduler of a real server
+from .conftest import run_benchmark
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # kills the scheduler of a real server
 
 
 def test_bench_recovery_smoke(tmp_path):
     """Both modes (--deterministic both): the report of each, and the identity line comparing them."""
-    out = tmp_path / "recovery.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_recovery", "--smoke", "--deterministic", "both",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.count("recovery (kill -> first resumed token") == 2  # the tables
-    assert "identical to the fault-free run: deterministic off 4/4, deterministic on 4/4" in proc.stdout
-    reports = json.loads(out.read_text())
+    stdout, reports = run_benchmark("bench_recovery", "--smoke", "--deterministic", "both",
+                                    json_path=tmp_path / "recovery.json", timeout=900)
+    assert stdout.count("recovery (kill -> first resumed token") == 2  # the tables
+    assert "identical to the fault-free run: deterministic off 4/4, deterministic on 4/4" in stdout
     assert reports["off"]["deterministic"] is False and reports["on"]["deterministic"] is True
     for report in reports.values():
         check(report)

@@ -46,6 +46,8 @@ def write(tmp_path, text):
         ("scheduler:\n  page_size: many\n", r"t.yaml:2: scheduler.page_size: Expected `int`, got `str`"),
         ("model:\n  path: null\nserver:\n  prot: 80\n", r"t.yaml:4: server.prot: unknown field"),
         ("scheduler:\n  kv_budget: lots\n", r"t.yaml:2: scheduler.kv_budget: 'lots' is not a size"),
+        ("scheduler:\n  stream_interval: 0\n", r"scheduler.stream_interval: must be in 1..1024"),
+        ("scheduler:\n  stream_interval: 5000\n", r"scheduler.stream_interval: must be in 1..1024"),
         ("actors:\n  scheduler: {process: child, address: 'inproc://s'}\n", r"t.yaml:2: actors.scheduler: a child process"),
         ("supervision:\n  strategy: one_for_some\n", r"t.yaml:2: supervision.strategy: Invalid enum value"),
         ("model:\n  device: gpu\n", r"t.yaml:2: model.device: Expected `str` matching regex"),
