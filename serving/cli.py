@@ -55,6 +55,8 @@ OVERRIDES = {
     "schedule_policy": "scheduler.schedule_policy",
     "enable_deterministic_inference": "scheduler.enable_deterministic_inference",
     "tool_call_parser": "server.tool_call_parser",
+    "dp_size": "scheduler.replicas",
+    "router_policy": "router.policy",
 }
 
 
@@ -86,6 +88,10 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--page-size", type=int)
     serve_p.add_argument("--schedule-policy", choices=["fcfs", "lpm"])
     serve_p.add_argument("--tokenizer-worker-num", type=int)
+    serve_p.add_argument("--dp-size", type=int, help="data-parallel scheduler replicas, each with its own model "
+                         "and KV cache (scheduler.replicas)")
+    serve_p.add_argument("--router-policy", choices=["cache_aware", "round_robin", "shortest_queue"],
+                         help="which replica a request goes to (router.policy; default cache_aware)")
     serve_p.add_argument("--tool-call-parser", help="the format of tool calls: hermes (<tool_call> JSON blocks)")
     serve_p.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
                          help="batch-invariant kernels: greedy output independent of batching, prefix cache, "
@@ -229,7 +235,9 @@ def cause_of(exc: BaseException) -> str:
 def describe(topology: Topology) -> str:
     m = topology.model
     model = "the embedded SmolLM2-135M-Instruct" if m.path is None else m.path
-    return f"{model} ({m.dtype}, device {m.device})"
+    replicas = topology.scheduler.replicas
+    dp = f", {replicas} replicas routed {topology.router.policy}" if replicas > 1 else ""
+    return f"{model} ({m.dtype}, device {m.device}{dp})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from actors import CallError
 from ..managers.messages import DetokenizerInfoReq, FlushCacheReq, SamplingParams, ServerInfoReq
 from ..managers.tokenizer_manager import GenerateInput
 from .errors import BadRequest, decode_body
-from .state import ServerState
+from .state import ServerState, merged_info
 
 __all__ = [
     "abort_request",
@@ -42,6 +42,9 @@ async def health(request: Request, state: ServerState) -> Response:
     problem = state.quick_health()
     if problem is not None:
         return PlainTextResponse(problem, status_code=503)
+    if state.replicated:
+        tm = state.runtime.tokenizer_manager
+        return PlainTextResponse(f"OK: {sum(tm.up)} of {len(tm.up)} replicas serving")
     return PlainTextResponse("OK")
 
 
@@ -68,12 +71,15 @@ async def metrics(request: Request, state: ServerState) -> Response:
 
 
 async def server_info(request: Request, state: ServerState) -> Response:
-    info = await state.call(ServerInfoReq())
     runtime = state.runtime
-    try:
-        detokenizer = await runtime.tokenizer_manager.call_detokenizer(DetokenizerInfoReq(), timeout=5.0)
-    except CallError as exc:
-        detokenizer = {"error": str(exc)}
+    infos = await state.replica_infos()
+    if not infos:
+        raise BadRequest("no scheduler answers (restarting, or swamped)", status=503)
+    info = merged_info(list(infos.values()))
+    detokenizer = info.pop("detokenizer")
+    tm = runtime.tokenizer_manager
+    info["replicas"] = state.replica_figures(infos)
+    info["migrated"] = tm.migrated
     return JSONResponse({
         "model": state.model_name, "topology": without_secrets(msgspec.to_builtins(runtime.topology)),
         "restarts": runtime.status.restarts, "pids": runtime.status.pids(), "worker": runtime.worker,
@@ -106,7 +112,10 @@ async def abort_request(request: Request, state: ServerState) -> Response:
 
 
 async def flush_cache(request: Request, state: ServerState) -> Response:
-    if not await state.call(FlushCacheReq()):
+    answers = await state.runtime.tokenizer_manager.call_replicas(FlushCacheReq())
+    if not answers or any(isinstance(a, BaseException) for a in answers.values()):
+        raise BadRequest("the scheduler does not answer (restarting, or swamped)", status=503)
+    if not all(answers.values()):
         raise BadRequest("cannot flush the cache while requests are running or queued")
     return PlainTextResponse("Cache flushed.")
 

@@ -54,6 +54,17 @@ class Metrics:
                              multiprocess_mode="sum")
         self.recovery = Histogram("tercet_recovery_seconds", "From a crash to the restarted actor's readiness",
                                   buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.replica_up = Gauge("tercet_replica_up", "1 while a replica takes requests", ["replica"], registry=r,
+                                multiprocess_mode="mostrecent")
+        self.replica_in_flight = Gauge("tercet_replica_requests_in_flight", "Requests running on a replica",
+                                       ["replica"], registry=r, multiprocess_mode="mostrecent")
+        self.replica_routed = Gauge("tercet_replica_routed_requests", "Requests routed to a replica (resumes too)",
+                                    ["replica"], registry=r, multiprocess_mode="mostrecent")
+        self.replica_hit_rate = Gauge("tercet_replica_cache_hit_rate",
+                                      "Share of the prompt tokens finished on a replica that its prefix cache held",
+                                      ["replica"], registry=r, multiprocess_mode="mostrecent")
+        self.migrated = Gauge("tercet_migrated_requests", "Requests resumed on another replica", registry=r,
+                              multiprocess_mode="sum")
         self._recoveries_seen = 0
 
     def timer(self) -> RequestTimer:
@@ -73,6 +84,14 @@ class Metrics:
         for (actor, cause), count in status.crashes.items():
             self.crashes.labels(actor, cause).set(count)
         self.resumed.set(tm.resumed)
+        self.migrated.set(tm.migrated)
+        for i, up in enumerate(tm.up):
+            label = str(i)
+            self.replica_up.labels(label).set(up)
+            self.replica_in_flight.labels(label).set(tm.router.load[i])
+            self.replica_routed.labels(label).set(tm.router.routed[i])
+            prompt = tm.prompt_tokens[i]
+            self.replica_hit_rate.labels(label).set(tm.cached_tokens[i] / prompt if prompt else 0.0)
         if self.multiprocess:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)

@@ -18,7 +18,7 @@ from ..runtime.interface import Runtime
 from .errors import BadRequest
 from .metrics import Metrics
 
-__all__ = ["ServerState"]
+__all__ = ["ServerState", "merged_info"]
 
 
 class ServerState:
@@ -105,6 +105,50 @@ class ServerState:
             raise BadRequest(f"model {model!r} not found; this server serves {self.model_name!r}", "model",
                              status=404)
 
+    @property
+    def replicated(self) -> bool:
+        return self.topology.scheduler.replicas > 1
+
+    async def replica_infos(self, *, timeout: float = 10.0) -> dict[int, dict[str, Any]]:
+        """Each replica up that answers: its scheduler's ``ServerInfoReq`` answer, with its
+        detokenizer's under ``detokenizer`` (or the error it gave)."""
+        tm = self.runtime.tokenizer_manager
+        async with trio.open_nursery() as nursery:
+            schedulers: dict[int, Any] = {}
+            detokenizers: dict[int, Any] = {}
+
+            async def ask(into: dict[int, Any], msg: Any, detokenizer: bool) -> None:
+                into.update(await tm.call_replicas(msg, timeout=timeout, detokenizer=detokenizer))
+
+            nursery.start_soon(ask, schedulers, ServerInfoReq(), False)
+            nursery.start_soon(ask, detokenizers, DetokenizerInfoReq(), True)
+        infos = {}
+        for i, info in sorted(schedulers.items()):
+            if not isinstance(info, BaseException):
+                detokenizer = detokenizers.get(i, CallError("not asked"))
+                infos[i] = {**info, "detokenizer": {"error": str(detokenizer)}
+                            if isinstance(detokenizer, BaseException) else detokenizer}
+        return infos
+
+    def replica_figures(self, infos: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """Per replica: up (taking requests), in the pool, requests in flight and routed there,
+        prompt tokens finished there and the share of them served from its prefix cache,
+        and its scheduler's queue and KV figures (``infos``: as ``replica_infos`` gave)."""
+        tm, status = self.runtime.tokenizer_manager, self.runtime.status
+        pool = getattr(status, "pool", {0})
+        figures = []
+        for i in range(len(tm.schedulers)):
+            info = infos.get(i, {})
+            prompt = tm.prompt_tokens[i]
+            figures.append({
+                "replica": i, "up": tm.up[i], "in_pool": i in pool, "in_flight": tm.router.load[i],
+                "routed": tm.router.routed[i], "prompt_tokens": prompt, "cached_tokens": tm.cached_tokens[i],
+                "cache_hit_rate": tm.cached_tokens[i] / prompt if prompt else 0.0,
+                **{key: info[key] for key in ("waiting", "running", "kv_pages_total", "kv_pages_free",
+                                               "cached_pages") if key in info},
+            })
+        return figures
+
     async def call(self, msg: Any, *, timeout: float = 10.0) -> Any:
         """Ask the scheduler; 503 when it does not answer (restarting, or swamped)."""
         try:
@@ -125,7 +169,7 @@ class ServerState:
         if status.failure is not None:
             return f"the server failed: {status.failure}"
         if not status.scheduler_running():
-            return "scheduler restarting"
+            return "no replica is serving (restarting)" if self.replicated else "scheduler restarting"
         return self.health.problem()
 
     async def health_problem(self) -> str | None:
@@ -160,6 +204,7 @@ class HealthMonitor:
         self.state = state
         self.last_problem: str | None = None
         self.info: dict[str, Any] | None = None  # the scheduler's last ServerInfoReq answer (for /metrics)
+        self.replicas: dict[int, dict[str, Any]] = {}  # with replicas: each one's that answered
         self.answered_at = trio.current_time()
         self.loop_lag = 0.0  # seconds, a moving average of how late a 50 ms sleep wakes
 
@@ -179,6 +224,9 @@ class HealthMonitor:
                 await self._probe()
 
     async def _probe(self) -> None:
+        if self.state.replicated:
+            await self._probe_replicas()
+            return
         tm = self.state.runtime.tokenizer_manager
         try:
             self.info = await tm.call_scheduler(ServerInfoReq(), timeout=5.0)
@@ -189,9 +237,43 @@ class HealthMonitor:
         self.last_problem = None
         self.answered_at = trio.current_time()
 
+    async def _probe_replicas(self) -> None:
+        """Healthy while any replica answers (the others' requests moved to it)."""
+        infos = await self.state.replica_infos(timeout=5.0)
+        answered = {i: info for i, info in infos.items() if "error" not in info["detokenizer"]}
+        self.replicas = answered
+        if not answered:
+            self.last_problem = "no replica's scheduler and detokenizer answer"
+            return
+        self.info = merged_info(list(answered.values()))
+        self.last_problem = None
+        self.answered_at = trio.current_time()
+
     async def _measure_lag(self) -> None:
         while True:
             start = trio.current_time()
             await trio.sleep(0.05)
             late = trio.current_time() - start - 0.05
             self.loop_lag = 0.7 * self.loop_lag + 0.3 * late
+
+
+SUMMED = ("waiting", "running", "kv_pages_total", "kv_pages_free", "cached_pages", "retracted", "aborted", "steps")
+
+
+def merged_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``ServerInfoReq`` answer for several replicas: counts added up, the rest the first's."""
+    merged = dict(infos[0])
+    for key in SUMMED:
+        merged[key] = sum(info[key] for info in infos)
+    by_worker: dict[str, int] = {}
+    for info in infos:
+        for worker, count in info["requests_by_worker"].items():
+            by_worker[worker] = by_worker.get(worker, 0) + count
+    merged["requests_by_worker"] = by_worker
+    detokenizers = [info.get("detokenizer", {}) for info in infos]
+    errors = [d["error"] for d in detokenizers if "error" in d]
+    if errors:
+        merged["detokenizer"] = {"error": "; ".join(errors)}
+    elif len(detokenizers) > 1:
+        merged["detokenizer"] = {key: sum(d[key] for d in detokenizers) for key in detokenizers[0]}
+    return merged

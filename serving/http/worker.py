@@ -81,7 +81,7 @@ class WorkerRuntime:
             return
         self.gate.set_closed(status.paused or status.updating)
         if status.resume and status.scheduler_up:
-            tm.watchdog.feed()  # the new scheduler gets a full timeout
+            tm.feed_watchdogs()  # the new scheduler gets a full timeout
             await tm.resubmit_in_flight(status.crash or "a restart downstream")
             self.metrics.resumed.set(tm.resumed)
 
@@ -90,7 +90,7 @@ class WorkerRuntime:
         if self._tm.started:
             self._tm.current.fail_all(message)
 
-    def _stalled(self, report: WatchdogTimeout) -> None:
+    def _stalled(self, report: WatchdogTimeout, replica: int = 0) -> None:
         tm = self.tokenizer_manager
         tm.ctx.nursery.start_soon(partial(tm.ctx.send, self.control, WorkerStalled(self.worker, str(report))))
 

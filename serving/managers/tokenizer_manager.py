@@ -36,14 +36,24 @@ request is on trial is its own: it ends with an error (500) naming the
 crash and is never resumed again; the others carry on. (A crash from
 outside — a kill -9 — that lands while a request is on trial is blamed on
 it too: the price of never letting one request crash-loop the server.)
+
+Data-parallel replicas (``scheduler.replicas``): each replica is a scheduler
+and its own detokenizer; a ``Router`` picks the replica of each new request.
+When a replica goes down (``replica_down``: its scheduler or detokenizer
+crashed, hung, or it left the pool) its requests resume at once on the
+replicas still up, by the same protocol as after a restart — the old
+incarnation is aborted where it may still run — and only wait when no
+replica is up. Each replica has its own output watchdog.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -63,6 +73,7 @@ from .messages import (
     ServerInfoReq,
     TokenizerInbox,
 )
+from .router import Router
 
 __all__ = ["Admission", "Chunk", "DuplicateRequestError", "GenerateInput", "InvalidRequest", "ReqState",
            "RequestLimits", "TokenizerManager", "fold"]
@@ -118,6 +129,8 @@ class ReqState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     heard_at: float = 0.0  # trio time of its last output or (re)submission (request_timeout)
+    replica: int | None = None  # where its current incarnation runs; None: nowhere (yet, or waiting)
+    last_replica: int | None = None  # where its previous incarnation ran
 
     @property
     def wire_rid(self) -> str:
@@ -155,14 +168,19 @@ class Admission:
 class TokenizerManager(Actor):
     inbox = TokenizerInbox
 
-    def __init__(self, tokenizer: Any, *, scheduler: str, detokenizer: str | None = None, worker: int = 0,
+    def __init__(self, tokenizer: Any, *, scheduler: str | Sequence[str],
+                 detokenizer: str | Sequence[str] | None = None, worker: int = 0,
                  watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
-                 quarantine_after: int = 2, request_timeout: float | None = None,
-                 on_stall: Callable[[WatchdogTimeout], None] | None = None,
+                 quarantine_after: int = 2, request_timeout: float | None = None, router: Router | None = None,
+                 on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
+        """``scheduler`` / ``detokenizer``: the address of each replica's (one, or a list)."""
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.detokenizer = detokenizer
+        self.schedulers = [scheduler] if isinstance(scheduler, str) else list(scheduler)
+        self.detokenizers = [detokenizer] if isinstance(detokenizer, str) else list(detokenizer or [])
+        replicas = len(self.schedulers)
+        self.router = router or Router(replicas)
+        assert self.router.replicas == replicas and len(self.detokenizers) in (0, replicas)
         self.worker = worker
         self.limits = limits
         self.quarantine_after = quarantine_after
@@ -171,33 +189,71 @@ class TokenizerManager(Actor):
         self._admissions: set[Admission] = set()
         self._by_wire_rid: dict[str, ReqState] = {}
         self.resumed = 0
+        self.migrated = 0  # resumed on another replica than the one they ran on
         self.quarantined = 0
+        self.up = [True] * replicas  # replicas taking requests
+        self._any_up = trio.Event()
+        self._any_up.set()
+        self._failed = False  # fail_all: the runtime gave up
+        # per replica, of the requests that finished there: prompt tokens, and those of them cached
+        self.prompt_tokens = [0] * replicas
+        self.cached_tokens = [0] * replicas
         self.on_stall = on_stall
         self.on_status = on_status  # a tokenizer worker: news of the runtime from the main process
-        self.watchdog = SoftWatchdog("tokenizer manager receive", watchdog_timeout,
-                                     busy=lambda: bool(self.rid_to_state), on_fire=self._stalled)
+        self.watchdogs = [
+            SoftWatchdog("tokenizer manager receive" + (f" (replica {i})" if replicas > 1 else ""),
+                         watchdog_timeout, busy=partial(self._busy, i), on_fire=partial(self._stalled, i))
+            for i in range(replicas)
+        ]
         self._expander: Expander | None = None  # built once the context window is known
         self._asking = trio.Lock()
-        self._probation: trio.CancelScope | None = None
+        self._suspects: deque[ReqState] = deque()  # waiting for their trial, one at a time
         self._on_trial: ReqState | None = None
+        self._trial: trio.CancelScope | None = None  # the wait for the request on trial to progress
         self._no_probation = trio.Event()
         self._no_probation.set()
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
-        await ctx.nursery.start(self.watchdog.run)
+        for watchdog in self.watchdogs:
+            await ctx.nursery.start(watchdog.run)
         if self.request_timeout is not None:
             ctx.nursery.start_soon(self._end_unheard, self.request_timeout)
 
-    def _stalled(self, report: WatchdogTimeout) -> None:
-        log.error("no output for %g s with %d requests in flight", report.timeout, len(self.rid_to_state))
+    @property
+    def scheduler(self) -> str:
+        """The scheduler a question goes to: the first replica up (the first, when none is)."""
+        return self.schedulers[self._asked()]
+
+    @property
+    def detokenizer(self) -> str | None:
+        return self.detokenizers[self._asked()] if self.detokenizers else None
+
+    def _asked(self) -> int:
+        return next((i for i, up in enumerate(self.up) if up), 0)
+
+    def _busy(self, replica: int) -> bool:
+        if len(self.schedulers) == 1:  # requests on their way in count: a stall keeps them out too
+            return bool(self.rid_to_state)
+        return self.router.load[replica] > 0
+
+    def _stalled(self, replica: int, report: WatchdogTimeout) -> None:
+        log.error("no output for %g s with %d requests in flight%s", report.timeout, self.router.load[replica],
+                  f" on replica {replica}" if len(self.schedulers) > 1 else "")
         if self.on_stall is not None:
-            self.on_stall(report)
+            self.on_stall(report, replica)
+
+    def feed_watchdogs(self, replica: int | None = None) -> None:
+        """A restarted child gets a full timeout (``replica``: that replica's; None: all)."""
+        for i, watchdog in enumerate(self.watchdogs):
+            if replica is None or i == replica:
+                watchdog.feed()
 
     # -- outputs from the detokenizer --------------------------------------------------
 
     async def handle(self, msg: Any) -> None:
-        self.watchdog.feed()
+        if len(self.watchdogs) == 1:
+            self.watchdogs[0].feed()
         match msg:
             case BatchStrOut():
                 self._handle_batch_output(msg)
@@ -212,6 +268,9 @@ class TokenizerManager(Actor):
             if state is None or state.finished is not None:
                 continue  # gone (its caller left), or an incarnation a resume replaced
             ids, text = out.new_token_ids[i], out.texts[i]
+            replica = state.replica
+            if replica is not None and len(self.watchdogs) > 1:
+                self.watchdogs[replica].feed()
             state.heard_at = heard
             state.text += text
             state.output_ids.extend(ids)
@@ -229,6 +288,10 @@ class TokenizerManager(Actor):
                 out.logprobs[i] if out.logprobs else [],
                 out.top_logprobs[i] if out.top_logprobs else [],
             ))
+            if state.finished is not None and replica is not None:
+                self.prompt_tokens[replica] += out.prompt_tokens[i]
+                self.cached_tokens[replica] += out.cached_tokens[i]
+                self._unassign(state)
             state.notify()
 
     # -- the API -----------------------------------------------------------------------
@@ -311,27 +374,55 @@ class TokenizerManager(Actor):
                 for state in states:
                     if state.finished is None:
                         state.finished = FinishReason("abort", message="the client went away")
-                        if state.submitted:
-                            await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, "the client went away"))
+                        await self._abort_downstream(state, "the client went away")
             for state in states:
+                self._unassign(state)
                 del self.rid_to_state[state.rid]
                 del self._by_wire_rid[state.wire_rid]
 
     async def _submit(self, state: ReqState, *, resume: bool = False) -> None:
+        """Send ``state`` to a replica that is up (waiting for one while none is); a resume continues
+        from the ids received so far, as a new incarnation."""
+        while not any(self.up) and not self._failed:
+            await self._any_up.wait()
+        if state.finished is not None or self._failed:  # ended while it waited
+            return
+        up = [i for i, is_up in enumerate(self.up) if is_up]
+        replica = self.router.choose(state.prompt_ids + state.output_ids if resume else state.prompt_ids, up)
+        state.replica = replica
+        ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
         replaces = None
         if resume:
-            replaces = state.wire_rid
-            del self._by_wire_rid[replaces]
-            state.epoch += 1
+            old = state.wire_rid
+            del self._by_wire_rid[old]
+            state.epoch += 1  # from here, the old incarnation's outputs are ignored
             self._by_wire_rid[state.wire_rid] = state
+            if state.last_replica == replica:
+                replaces = old  # the scheduler drops the incarnation it may still run
+            elif state.last_replica is not None:
+                self.migrated += 1
+                # its old replica may still run it (only its detokenizer crashed), or hold the abort in a
+                # socket's queue for its restart: it ends there (a dead replica costs at most a moment)
+                with trio.move_on_after(1.0):
+                    await self.ctx.send(self.schedulers[state.last_replica],
+                                        AbortReq(old, f"resumed on replica {replica}"))
         state.submitted = True
         state.heard_at = trio.current_time()
         state.since_submit, state.progressed = 0, trio.Event()
-        ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
-        await self.ctx.send(self.scheduler, GenerateReq(
+        await self.ctx.send(self.schedulers[replica], GenerateReq(
             state.wire_rid, ids, state.sampling, state.stream, state.return_logprob,
             state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces,
         ))
+
+    def _unassign(self, state: ReqState) -> None:
+        """``state`` no longer runs on its replica (it ended there, or must resume elsewhere)."""
+        if state.replica is not None:
+            self.router.release(state.replica)
+            state.last_replica, state.replica = state.replica, None
+
+    async def _abort_downstream(self, state: ReqState, message: str) -> None:
+        if state.replica is not None:
+            await self.ctx.send(self.schedulers[state.replica], AbortReq(state.wire_rid, message))
 
     async def abort(self, rid: str, message: str = "aborted by request") -> bool:
         """Abort a request by id; False when no such request is in flight.
@@ -353,8 +444,7 @@ class TokenizerManager(Actor):
         if state.finished is not None:
             return False
         state.end(FinishReason("abort", message=message))
-        if state.submitted:
-            await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
+        await self._abort_downstream(state, message)
         return True
 
     async def _end_unheard(self, timeout: float) -> None:
@@ -369,55 +459,75 @@ class TokenizerManager(Actor):
                     log.error("request %s: %s", state.rid, message)
                     state.end(FinishReason("abort", status_code=504, message=message))
                     with trio.move_on_after(5.0):
-                        await self.ctx.send(self.scheduler, AbortReq(state.wire_rid, message))
+                        await self._abort_downstream(state, message)
 
-    # -- after a restart downstream ------------------------------------------------------
+    # -- after a restart downstream, or a replica lost -----------------------------------
 
     async def resubmit_in_flight(self, crash: str = "a restart downstream") -> int:
         """Continue every unfinished request from what it has (``crash``: what happened,
-        for the error of a request that is not resumed again)."""
+        for the error of a request that is not resumed again). With one replica: after
+        its scheduler or detokenizer restarted."""
+        return await self._resume(crash, lambda replica: True)
+
+    async def replica_down(self, replica: int, crash: str, *, cache_lost: bool = True) -> int:
+        """``replica`` lost its requests (``crash``: how): they resume at once on the replicas
+        up, or on the first to come up. ``cache_lost``: its scheduler restarts (forget what
+        was routed there)."""
+        self.up[replica] = False
+        if not any(self.up) and self._any_up.is_set():
+            self._any_up = trio.Event()
+        if cache_lost:
+            self.router.forget(replica)
+        return await self._resume(crash, lambda r: r == replica)
+
+    def replica_up(self, replica: int) -> None:
+        """``replica`` takes requests again (back after a restart)."""
+        self.watchdogs[replica].feed()
+        self.up[replica] = True
+        self._any_up.set()
+
+    async def _resume(self, crash: str, lost: Callable[[int], bool]) -> int:
+        """Resume the requests running on the replicas that ``lost`` says lost them."""
+        in_flight = [s for s in self.rid_to_state.values()
+                     if s.finished is None and s.replica is not None and lost(s.replica)]
+        for state in in_flight:
+            self._unassign(state)
         culprit = self._on_trial
-        if self._probation is not None:
-            self._probation.cancel()
-            self._probation, self._on_trial = None, None
-        in_flight = [s for s in self.rid_to_state.values() if s.finished is None and s.submitted]
-        if culprit is not None and culprit.finished is None:  # it crashed what ran it, alone
+        if culprit is not None and culprit in in_flight:  # it crashed what ran it, on trial
             culprit.crashes += 1
-            self._quarantine(culprit, crash)
             in_flight.remove(culprit)
-        elif culprit is None:
+            self._quarantine(culprit, crash)
+        else:
             for state in in_flight:
                 state.crashes += 1
         suspects = [s for s in in_flight if s.crashes >= self.quarantine_after and not s.progressed.is_set()]
-        if not suspects:
-            self._no_probation.set()
-            for state in in_flight:
+        for state in in_flight:  # those that made progress since their last submission go on at once
+            if state not in suspects:
                 await self._submit(state, resume=True)
-        else:
-            for state in in_flight:  # those that made progress since their last submission go on at once
-                if state not in suspects:
-                    await self._submit(state, resume=True)
-            self._no_probation = trio.Event()
-            self._probation = trio.CancelScope()
-            self.ctx.nursery.start_soon(self._run_probation, suspects, self._probation)
+        if suspects:
             log.warning("%d requests were in flight for %d crashes in a row: resuming them one at a time",
                         len(suspects), self.quarantine_after)
+            self._suspects.extend(suspects)
+            if self._no_probation.is_set():
+                self._no_probation = trio.Event()
+                self.ctx.nursery.start_soon(self._run_probation)
         self.resumed += len(in_flight)
         if in_flight:
             log.warning("resumed %d requests in flight", len(in_flight))
         return len(in_flight)
 
-    async def _run_probation(self, suspects: list[ReqState], scope: trio.CancelScope) -> None:
-        with scope:
-            for state in suspects:
-                if state.finished is not None:
-                    continue
-                self._on_trial = state
-                await self._submit(state, resume=True)
+    async def _run_probation(self) -> None:
+        """One suspect at a time, each until it made progress (or ended), new requests held back."""
+        while self._suspects:
+            state = self._suspects.popleft()
+            if state.finished is not None:
+                continue
+            self._on_trial = state
+            await self._submit(state, resume=True)
+            with trio.CancelScope() as self._trial:
                 await state.progressed.wait()
-            self._on_trial = None
-            self._probation = None
-            self._no_probation.set()
+            self._on_trial = self._trial = None
+        self._no_probation.set()
 
     def _quarantine(self, state: ReqState, crash: str) -> None:
         self.quarantined += 1
@@ -425,6 +535,8 @@ class TokenizerManager(Actor):
         state.end(FinishReason("abort", status_code=500, message=(
             f"this request was in flight for {state.crashes} crashes in a row and crashed the server when it "
             f"ran alone ({crash}); it is not resumed again")))
+        if self._trial is not None:
+            self._trial.cancel()  # the next suspect's trial begins
 
     def fail_all(self, message: str, status_code: int = 503) -> int:
         """End every request in flight with an error (the runtime gave up)."""
@@ -433,10 +545,15 @@ class TokenizerManager(Actor):
             if state.finished is None:
                 state.end(FinishReason("abort", message=message, status_code=status_code))
                 count += 1
-        if self._probation is not None:
-            self._probation.cancel()
+        self._failed = True
+        self._any_up.set()  # what waits for a replica ends
+        self._suspects.clear()
+        if self._trial is not None:
+            self._trial.cancel()
         self._no_probation.set()
         return count
+
+    # -- questions to the replicas ---------------------------------------------------------
 
     async def call_scheduler(self, msg: Any, *, timeout: float = 10.0) -> Any:
         return await self.ctx.call(self.scheduler, msg, timeout=timeout)
@@ -445,6 +562,24 @@ class TokenizerManager(Actor):
         if self.detokenizer is None:
             raise CallError("no detokenizer address given")
         return await self.ctx.call(self.detokenizer, msg, timeout=timeout)
+
+    async def call_replicas(self, msg: Any, *, timeout: float = 10.0, detokenizer: bool = False) -> dict[int, Any]:
+        """Ask the scheduler (or the detokenizer) of every replica up, at once: each one's answer
+        or the ``CallError`` it gave."""
+        answers: dict[int, Any] = {}
+
+        async def ask(i: int) -> None:
+            try:
+                address = self.detokenizers[i] if detokenizer else self.schedulers[i]
+                answers[i] = await self.ctx.call(address, msg, timeout=timeout)
+            except CallError as exc:
+                answers[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i, up in enumerate(self.up):
+                if up:
+                    nursery.start_soon(ask, i)
+        return answers
 
 
 def fold(chunks: Sequence[Chunk]) -> dict[str, Any]:

@@ -23,13 +23,14 @@ import logging
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import trio
 
-from actors import ActorChild, Backoff, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
+from actors import ActorChild, Backoff, CallError, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
 from actors.process import ProcessChild
 from models.loading import load_tokenizer
 from transports import open_hub
@@ -39,7 +40,8 @@ from ..managers.messages import UpdateWeightsReq
 from ..managers.scheduler import Scheduler, SchedulerConfig
 from ..managers.tokenizer_manager import TokenizerManager
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
-from .topology import Topology, make_tokenizer_manager, tokenizer_source
+from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
+from .topology import ReplicaPlacement, Topology, make_tokenizer_manager, tokenizer_source
 
 __all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised"]
 
@@ -49,13 +51,15 @@ S = TypeVar("S", bound="Supervised")
 
 
 def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any, tokenizer: Any,
-               weights: Callable[[], str | None]) -> list[ChildSpec]:
+               weights: Callable[[], str | None], placement: ReplicaPlacement | None = None) -> list[ChildSpec]:
     """The scheduler and the detokenizer, in start order; ``workers``: the mailboxes
     of the tokenizer managers the detokenizer sends to; ``weights()``: what each
-    start of the scheduler loads (the weights an update made current)."""
+    start of the scheduler loads (the weights an update made current); ``placement``
+    and ``addresses``: of one replica (default: the topology's only one)."""
     grace = topology.supervision.shutdown_grace
     base = topology.scheduler_config(addresses["detokenizer"])
-    sched, detok = topology.actors.scheduler, topology.actors.detokenizer
+    placement = placement or topology.replica_placements()[0]
+    sched, detok = placement.scheduler, placement.detokenizer
 
     def config() -> SchedulerConfig:
         return msgspec.structs.replace(base, model=weights())
@@ -80,9 +84,9 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
 
 
 def make_supervisor(topology: Topology, specs: list[ChildSpec],
-                    observer: Callable[[SupervisorEvent], None]) -> Supervisor:
+                    observer: Callable[[SupervisorEvent], None], name: str = "server") -> Supervisor:
     s = topology.supervision
-    return Supervisor("server", specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
+    return Supervisor(name, specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
                       backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
 
 
@@ -155,7 +159,9 @@ class _Ready:
 
 class LocalRuntime(Supervised):
     """A topology whose tokenizer manager runs in this process: the ``Runtime``
-    of a single-process server and of the offline Engine."""
+    of a single-process server and of the offline Engine. With replicas
+    (``scheduler.replicas > 1``) each is a subtree of the supervisor, and a
+    replica going down moves its requests to the others (``serving.runtime.replicas``)."""
 
     worker = None
 
@@ -164,19 +170,50 @@ class LocalRuntime(Supervised):
         super().__init__(topology, tokenizer, runtime_dir)
         self.gate = Gate()
         self._nursery = nursery
-        self._tm = TokenizerManagerSlot(lambda: make_tokenizer_manager(
-            topology, tokenizer, self.addresses, on_stall=self.kill_scheduler))
+        self.replicas: ReplicaSet | None = None
         grace = topology.supervision.shutdown_grace
         tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
             self._tm.build, self.addresses["tokenizer"], hub), shutdown=grace)
-        specs = core_specs(topology, self.addresses, [self.addresses["tokenizer"]], hub, tokenizer,
-                           lambda: self.weights)
+        workers = [self.addresses["tokenizer"]]
+        if topology.scheduler.replicas == 1:
+            replicas = None
+            specs = core_specs(topology, self.addresses, workers, hub, tokenizer, lambda: self.weights)
+        else:
+            placements = topology.replica_placements()
+            self.replicas = ReplicaSet(
+                topology, runtime_dir,
+                lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
+                                                placements[i]),
+                lambda name, specs: make_supervisor(topology, specs, self._on_event, name))
+            replicas, specs = self.replicas.addresses, self.replicas.specs
+        self._tm = TokenizerManagerSlot(lambda: self._new_tokenizer_manager(replicas))
         self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
-        self.status = StatusTracker(self.supervisor)
+        if self.replicas is None:
+            self.status = StatusTracker(self.supervisor)
+        else:
+            self.status = ReplicaStatus(self.supervisor, self.replicas, self._replica_changed)
+
+    def _new_tokenizer_manager(self, replicas: list[dict[str, str]] | None) -> TokenizerManager:
+        tm = make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=replicas,
+                                    on_stall=self.kill_scheduler)
+        if isinstance(self.status, ReplicaStatus):  # a restarted tokenizer manager: as things stand
+            tm.up = [i in self.status.serving for i in range(len(tm.up))]
+        return tm
 
     @property
     def tokenizer_manager(self) -> TokenizerManager:
         return self._tm.current
+
+    def kill_scheduler(self, reason: BaseException, replica: int = 0) -> None:
+        if self.replicas is None:
+            super().kill_scheduler(reason)
+            return
+        supervisor = self.replicas.supervisors[replica]
+        if supervisor is None or "detokenizer" not in supervisor.running():
+            log.warning("replica %d: outputs stalled while its detokenizer restarts; its scheduler is left alone "
+                        "(%s)", replica, reason)
+            return
+        supervisor.kill("scheduler", reason)
 
     async def set_paused(self, paused: bool) -> None:
         self.gate.set_closed(paused)
@@ -185,7 +222,7 @@ class LocalRuntime(Supervised):
         timeout = self.topology.server.weights_drain_timeout
         try:
             async with self.gate.writing(timeout):  # requests in flight finish on the old weights
-                result = await self.tokenizer_manager.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+                result = await self._load_weights(path)
         except trio.TooSlowError:
             return {"success": False, "status": 409,
                     "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
@@ -193,11 +230,146 @@ class LocalRuntime(Supervised):
             self.weights = path  # a restarted scheduler loads these
         return result
 
+    async def _load_weights(self, path: str) -> dict[str, Any]:
+        tm = self.tokenizer_manager
+        if self.replicas is None:
+            return await tm.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+        answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
+        loaded = [i for i, a in answers.items() if not isinstance(a, BaseException) and a["success"]]
+        if not loaded:  # the same load error everywhere (a bad path), or no replica answered
+            answer = next(iter(answers.values()), CallError("no replica is up"))
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        self.weights = path
+        for i in answers.keys() - set(loaded):  # every replica serves the same weights: restart on them
+            self.kill_scheduler(RuntimeError(f"replica {i} did not load {path}: {answers[i]}"), i)
+        return answers[loaded[0]]
+
+    def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
+        """After an event; ``crash``: a scheduler or detokenizer is back after it (resume)."""
+        raise NotImplementedError
+
+    def _failed(self, failure: BaseException) -> None:
+        raise NotImplementedError
+
+
+class _Ready:
+    """A task status that remembers whether ``started`` was called."""
+
+    def __init__(self, task_status: Any) -> None:
+        self.task_status = task_status
+        self.done = False
+
+    def started(self, value: Any = None) -> None:
+        self.done = True
+        self.task_status.started(value)
+
+
+class LocalRuntime(Supervised):
+    """A topology whose tokenizer manager runs in this process: the ``Runtime``
+    of a single-process server and of the offline Engine. With replicas
+    (``scheduler.replicas > 1``) each is a subtree of the supervisor, and a
+    replica going down moves its requests to the others (``serving.runtime.replicas``)."""
+
+    worker = None
+
+    def __init__(self, topology: Topology, tokenizer: Any, runtime_dir: Path, hub: Any,
+                 nursery: trio.Nursery) -> None:
+        super().__init__(topology, tokenizer, runtime_dir)
+        self.gate = Gate()
+        self._nursery = nursery
+        self.replicas: ReplicaSet | None = None
+        grace = topology.supervision.shutdown_grace
+        tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
+            self._tm.build, self.addresses["tokenizer"], hub), shutdown=grace)
+        workers = [self.addresses["tokenizer"]]
+        if topology.scheduler.replicas == 1:
+            replicas = None
+            specs = core_specs(topology, self.addresses, workers, hub, tokenizer, lambda: self.weights)
+        else:
+            placements = topology.replica_placements()
+            self.replicas = ReplicaSet(
+                topology, runtime_dir,
+                lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
+                                                placements[i]),
+                lambda name, specs: make_supervisor(topology, specs, self._on_event, name))
+            replicas, specs = self.replicas.addresses, self.replicas.specs
+        self._tm = TokenizerManagerSlot(lambda: self._new_tokenizer_manager(replicas))
+        self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
+        if self.replicas is None:
+            self.status = StatusTracker(self.supervisor)
+        else:
+            self.status = ReplicaStatus(self.supervisor, self.replicas, self._replica_changed)
+
+    def _new_tokenizer_manager(self, replicas: list[dict[str, str]] | None) -> TokenizerManager:
+        tm = make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=replicas,
+                                    on_stall=self.kill_scheduler)
+        if isinstance(self.status, ReplicaStatus):  # a restarted tokenizer manager: as things stand
+            tm.up = [i in self.status.serving for i in range(len(tm.up))]
+        return tm
+
+    @property
+    def tokenizer_manager(self) -> TokenizerManager:
+        return self._tm.current
+
+    def kill_scheduler(self, reason: BaseException, replica: int = 0) -> None:
+        if self.replicas is None:
+            super().kill_scheduler(reason)
+            return
+        supervisor = self.replicas.supervisors[replica]
+        if supervisor is None or "detokenizer" not in supervisor.running():
+            log.warning("replica %d: outputs stalled while its detokenizer restarts; its scheduler is left alone "
+                        "(%s)", replica, reason)
+            return
+        supervisor.kill("scheduler", reason)
+
+    async def set_paused(self, paused: bool) -> None:
+        self.gate.set_closed(paused)
+
+    async def update_weights(self, path: str) -> dict[str, Any]:
+        timeout = self.topology.server.weights_drain_timeout
+        tm = self.tokenizer_manager
+        try:
+            async with self.gate.writing(timeout):  # requests in flight finish on the old weights
+                answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
+        except trio.TooSlowError:
+            return {"success": False, "status": 409,
+                    "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
+        failed = {i: a for i, a in answers.items() if isinstance(a, BaseException) or not a["success"]}
+        if not failed:
+            self.weights = path  # a restarted scheduler loads these
+            return next(iter(answers.values())) if answers else {"success": False, "message": "no replica is up"}
+        if len(answers) == 1:
+            (answer,) = answers.values()
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        # replicas must serve the same weights: one that failed while others loaded is restarted on them
+        self.weights = path if len(failed) < len(answers) else self.weights
+        problems = "; ".join(f"replica {i}: {a if isinstance(a, BaseException) else a['message']}"
+                             for i, a in sorted(failed.items()))
+        return {"success": False, "message": f"the weights could not be updated on every replica: {problems}"}
+
     def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
         if crash is not None and self._tm.started:
             tm = self._tm.current
-            tm.watchdog.feed()  # the restarted child gets a full timeout
+            tm.feed_watchdogs()  # the restarted child gets a full timeout
             self._nursery.start_soon(tm.resubmit_in_flight, crash)
+
+    def _replica_changed(self, change: str, replica: int, cause: str, cache_lost: bool) -> None:
+        if change == "gone" and not self.status.pool:
+            self.fail(NoReplicaLeft(f"every replica left the pool (the last: {cause})"))
+            return
+        if not self._tm.started:
+            return
+        tm = self._tm.current
+        if change == "up":
+            tm.replica_up(replica)
+        elif change == "down":
+            self._nursery.start_soon(partial(tm.replica_down, replica, cause, cache_lost=cache_lost))
+        else:
+            log.error("%s; %d replicas serve on", cause, len(self.status.pool))
 
     def _failed(self, failure: BaseException) -> None:
         if self._tm.started:

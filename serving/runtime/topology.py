@@ -22,10 +22,11 @@ from actors import WatchdogTimeout
 from transports import Address, AddressError, CurveConfig, HubOptions
 
 from ..managers.messages import RuntimeStatus
+from ..managers.router import Router, RouterConfig
 from ..managers.scheduler import SchedulerConfig
 from ..managers.tokenizer_manager import RequestLimits, TokenizerManager
 
-__all__ = ["Topology", "TopologyError", "load_topology", "make_tokenizer_manager", "parse_size",
+__all__ = ["ReplicaPlacement", "Topology", "TopologyError", "load_topology", "make_tokenizer_manager", "parse_size",
            "tokenizer_source"]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -67,6 +68,9 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
+    # data-parallel replicas (SGLang's --dp-size): each a scheduler with its own model, KV pool and radix
+    # cache, and its own detokenizer, supervised as one unit; the router (``router``) spreads requests
+    replicas: int = 1
     page_size: int = 1
     kv_budget: int | str = "1GiB"
     max_running_requests: int = 64
@@ -120,10 +124,18 @@ class Placement(msgspec.Struct, forbid_unknown_fields=True):
     args: dict[str, Any] = {}  # extra keyword arguments for ``target``
 
 
+class ReplicaPlacement(msgspec.Struct, forbid_unknown_fields=True):
+    scheduler: Placement
+    detokenizer: Placement
+
+
 class ActorsSection(msgspec.Struct, forbid_unknown_fields=True):
     scheduler: Placement = msgspec.field(default_factory=lambda: Placement("inproc://scheduler"))
     detokenizer: Placement = msgspec.field(default_factory=lambda: Placement("inproc://detokenizer"))
     tokenizer: Placement = msgspec.field(default_factory=lambda: Placement("inproc://tokenizer"))
+    # with scheduler.replicas > 1: each replica's placements (required over tcp://, one per replica);
+    # without, replica i's addresses are the scheduler's and the detokenizer's with "-i" appended
+    replicas: list[ReplicaPlacement] | None = None
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True):
@@ -134,6 +146,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
     watchdogs: WatchdogSection = msgspec.field(default_factory=WatchdogSection)
     transport: TransportSection = msgspec.field(default_factory=TransportSection)
     actors: ActorsSection = msgspec.field(default_factory=ActorsSection)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
     def check(self) -> None:
         problems = [
@@ -143,6 +156,12 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.scheduler.max_running_requests >= 1, "scheduler.max_running_requests", "must be >= 1"),
             (self.scheduler.chunked_prefill_size >= 1, "scheduler.chunked_prefill_size", "must be >= 1"),
             (1 <= self.scheduler.stream_interval <= 1024, "scheduler.stream_interval", "must be in 1..1024"),
+            (1 <= self.scheduler.replicas <= 64, "scheduler.replicas", "must be in 1..64"),
+            (0 <= self.router.cache_threshold <= 1, "router.cache_threshold", "must be in 0..1"),
+            (self.router.balance_abs_threshold >= 0, "router.balance_abs_threshold", "must be >= 0"),
+            (self.router.balance_rel_threshold >= 1, "router.balance_rel_threshold", "must be >= 1"),
+            (1 <= self.router.block_tokens <= 4096, "router.block_tokens", "must be in 1..4096"),
+            (1 <= self.router.max_blocks <= 2**24, "router.max_blocks", "must be in 1..16777216"),
             (self.supervision.max_restarts >= 0, "supervision.max_restarts", "must be >= 0"),
             (self.supervision.quarantine_after >= 1, "supervision.quarantine_after", "must be >= 1"),
             (1 <= self.server.max_batch_size <= 65536, "server.max_batch_size", "must be in 1..65536"),
@@ -163,17 +182,22 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         self.hub_options(generate=False)
         if parse_size(self.server.max_request_bytes, "server.max_request_bytes") < 1024:
             raise TopologyError("server.max_request_bytes: must be at least 1KiB")
-        for name in ("scheduler", "detokenizer", "tokenizer"):
-            placement = getattr(self.actors, name)
+        placements = [(f"actors.{name}", getattr(self.actors, name))
+                      for name in ("scheduler", "detokenizer", "tokenizer")]
+        for i, replica in enumerate(self.actors.replicas or []):
+            placements += [(f"actors.replicas.{i}.scheduler", replica.scheduler),
+                           (f"actors.replicas.{i}.detokenizer", replica.detokenizer)]
+        for where, placement in placements:
             if not re.fullmatch(r"(inproc|ipc|tcp)://.+", placement.address):
-                raise TopologyError(f"actors.{name}.address: {placement.address!r} is not "
+                raise TopologyError(f"{where}.address: {placement.address!r} is not "
                                     "inproc://NAME, ipc:///PATH or tcp://HOST:PORT")
             if placement.process == "child" and placement.address.startswith("inproc://"):
-                raise TopologyError(f"actors.{name}: a child process cannot be reached over inproc://")
-            if placement.address.startswith("tcp://") and not _loopback(placement.address, f"actors.{name}") \
+                raise TopologyError(f"{where}: a child process cannot be reached over inproc://")
+            if placement.address.startswith("tcp://") and not _loopback(placement.address, where) \
                     and self.transport.curve is None and not self.transport.allow_insecure:
-                raise TopologyError(f"actors.{name}.address: {placement.address} is not a loopback address: "
+                raise TopologyError(f"{where}.address: {placement.address} is not a loopback address: "
                                     "secure it with transport.curve, or set transport.allow_insecure: true")
+        self._check_replicas()
         if self.actors.tokenizer.process != "main":
             raise TopologyError("actors.tokenizer.process: the tokenizer manager runs with the HTTP server (main)")
         if self.server.workers > 1:
@@ -183,6 +207,24 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                                         "are processes of their own; use ipc:// or tcp://")
             if self.server.workers > 64:
                 raise TopologyError("server.workers: at most 64")
+
+    def _check_replicas(self) -> None:
+        n, listed = self.scheduler.replicas, self.actors.replicas
+        if listed is not None and len(listed) != n:
+            raise TopologyError(f"actors.replicas: {len(listed)} placements for scheduler.replicas: {n}")
+        if n == 1:
+            return
+        if listed is None:
+            for name in ("scheduler", "detokenizer"):
+                if getattr(self.actors, name).address.startswith("tcp://"):
+                    raise TopologyError(f"actors.{name}.address: with scheduler.replicas > 1 over tcp:// give each "
+                                        "replica's addresses in actors.replicas")
+        if self.server.workers > 1:
+            raise TopologyError("scheduler.replicas: replicas with server.workers > 1 are not supported yet; "
+                                "use one tokenizer worker")
+        addresses = [a for r in self.replica_addresses(Path("/")) for a in r.values()]
+        if len(set(addresses)) != len(addresses):
+            raise TopologyError(f"actors.replicas: two replicas share an address ({sorted(addresses)})")
 
     def hub_options(self, *, generate: bool = True) -> HubOptions:
         """What every hub of this server opens with (``generate``: make the keys of
@@ -206,6 +248,22 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         """Each actor's address, ``{runtime_dir}`` filled in."""
         return {name: getattr(self.actors, name).address.replace("{runtime_dir}", str(runtime_dir))
                 for name in ("scheduler", "detokenizer", "tokenizer")}
+
+    def replica_placements(self) -> list[ReplicaPlacement]:
+        """Each replica's scheduler and detokenizer placement (addresses unfilled)."""
+        if self.actors.replicas is not None:
+            return list(self.actors.replicas)
+        sched, detok, n = self.actors.scheduler, self.actors.detokenizer, self.scheduler.replicas
+        if n == 1:
+            return [ReplicaPlacement(sched, detok)]
+        return [ReplicaPlacement(msgspec.structs.replace(sched, address=f"{sched.address}-{i}"),
+                                 msgspec.structs.replace(detok, address=f"{detok.address}-{i}")) for i in range(n)]
+
+    def replica_addresses(self, runtime_dir: Path) -> list[dict[str, str]]:
+        """Each replica's ``{"scheduler": ..., "detokenizer": ...}``, ``{runtime_dir}`` filled in."""
+        return [{"scheduler": r.scheduler.address.replace("{runtime_dir}", str(runtime_dir)),
+                 "detokenizer": r.detokenizer.address.replace("{runtime_dir}", str(runtime_dir))}
+                for r in self.replica_placements()]
 
     def worker_addresses(self, runtime_dir: Path) -> list[str]:
         """The mailbox of each tokenizer worker: the tokenizer address, numbered when there are several."""
@@ -328,13 +386,17 @@ def tokenizer_source(model: ModelSection) -> str | None:
 
 
 def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[str, str], *, worker: int = 0,
-                           on_stall: Callable[[WatchdogTimeout], None] | None = None,
+                           replicas: list[dict[str, str]] | None = None,
+                           on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
                            on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> TokenizerManager:
-    """The tokenizer manager (of tokenizer worker ``worker``) that ``topology`` describes."""
+    """The tokenizer manager (of tokenizer worker ``worker``) that ``topology`` describes;
+    ``replicas``: each replica's addresses (default: the one in ``addresses``)."""
     server = topology.server
     limits = RequestLimits(server.max_batch_size, server.max_stop_strings, server.max_stop_length)
-    return TokenizerManager(tokenizer, scheduler=addresses["scheduler"], detokenizer=addresses["detokenizer"],
-                            worker=worker, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
+    replicas = replicas or [addresses]
+    return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
+                            detokenizer=[r["detokenizer"] for r in replicas],
+                            router=Router(len(replicas), topology.router), worker=worker, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
                             quarantine_after=topology.supervision.quarantine_after,
                             request_timeout=server.request_timeout,
                             on_stall=on_stall, on_status=on_status)

@@ -1,0 +1,154 @@
+"""Data-parallel replicas (``scheduler.replicas: N``, ``tercet serve --dp-size N``).
+
+A replica is a scheduler and its own detokenizer under a supervisor of their
+own (``replica-i``), a child of the server's supervisor. A detokenizer per
+replica, not one shared: the stop strings it finds go back to its own
+scheduler, a crash of one loses one replica's outputs only, and a replica
+is one unit to place (one pod, one Ray node). Within a replica the
+topology's supervision applies; a replica past its restart intensity leaves
+the pool (its supervisor's child spec is temporary) and the server serves
+on while any replica is in the pool.
+
+``ReplicaStatus`` turns the supervisors' events into what the tokenizer
+manager must do: a replica is *down* from the first crash of its scheduler
+or detokenizer (its requests resume elsewhere at once), *up* again once
+both run, and *gone* when it left the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import trio
+
+from actors import ChildSpec, Restart, Supervisor, SupervisorEvent
+
+from .interface import StatusTracker
+from .topology import Topology
+
+__all__ = ["NoReplicaLeft", "ReplicaSet", "ReplicaStatus"]
+
+PARTS = ("scheduler", "detokenizer")
+
+Change = Literal["down", "up", "gone"]
+
+
+class NoReplicaLeft(Exception):
+    """Every replica left the pool."""
+
+
+class ReplicaSet:
+    """The replicas' child specs for the server's supervisor, and their running supervisors."""
+
+    def __init__(self, topology: Topology, runtime_dir: Path,
+                 make_specs: Callable[[int, dict[str, str]], list[ChildSpec]],
+                 make_supervisor: Callable[[str, list[ChildSpec]], Supervisor]) -> None:
+        self.addresses = topology.replica_addresses(runtime_dir)
+        self.supervisors: list[Supervisor | None] = [None] * len(self.addresses)
+        self._make_specs = make_specs
+        self._make_supervisor = make_supervisor
+        grace = topology.supervision.shutdown_grace
+        # a replica's supervisor stops its two children one after the other
+        self.specs = [ChildSpec(f"replica-{i}", self._starter(i), restart=Restart.TEMPORARY, shutdown=2 * grace + 1)
+                      for i in range(len(self.addresses))]
+
+    def _starter(self, index: int) -> Callable[[], Supervisor]:
+        def start() -> Supervisor:
+            supervisor = self._make_supervisor(f"replica-{index}", self._make_specs(index, self.addresses[index]))
+            self.supervisors[index] = supervisor
+            return supervisor
+
+        return start
+
+    def running(self, index: int) -> list[str]:
+        supervisor = self.supervisors[index]
+        return [] if supervisor is None else supervisor.running()
+
+
+def replica_of(supervisor_or_child: str) -> int | None:
+    name, _, index = supervisor_or_child.rpartition("-")
+    return int(index) if name == "replica" and index.isdigit() else None
+
+
+class ReplicaStatus(StatusTracker):
+    """The status of a server with replicas. Actors are named per replica (``scheduler-1``);
+    the scheduler "is running" while any replica serves. ``on_change(change, replica, cause,
+    cache_lost)`` hears when a replica goes down, comes up or leaves the pool."""
+
+    def __init__(self, supervisor: Supervisor, replicas: ReplicaSet,
+                 on_change: Callable[[Change, int, str, bool], None]) -> None:
+        super().__init__(supervisor)
+        self.replicas = replicas
+        self.on_change = on_change
+        n = len(replicas.addresses)
+        self.pool = set(range(n))  # not gone
+        self.serving: set[int] = set()  # in the pool, with both parts running
+        self._down: set[int] = set()  # lost their requests, not back yet
+        self._restarts_seen: dict[str, int] = {}
+        self._up = trio.Event()  # nothing serves until the replicas start
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        for i, supervisor in enumerate(self.replicas.supervisors):
+            if supervisor is not None:
+                for part, count in supervisor.restarts.items():
+                    self._restarts_seen[f"{part}-{i}"] = count
+        return dict(self._restarts_seen)
+
+    def pids(self) -> dict[str, int]:
+        pids = {}
+        for i, supervisor in enumerate(self.replicas.supervisors):
+            if supervisor is not None:
+                for part in supervisor.running():
+                    pid = getattr(supervisor.child(part), "pid", None)
+                    if pid:
+                        pids[f"{part}-{i}"] = pid
+        return pids
+
+    def scheduler_running(self) -> bool:
+        return self.failure is None and bool(self.serving)
+
+    def observe(self, event: SupervisorEvent) -> str | None:
+        replica = replica_of(event.supervisor)
+        if replica is not None and event.child in PARTS:
+            self._part_event(replica, event)
+        elif (gone := replica_of(event.child)) is not None and event.kind in ("crashed", "exited"):
+            self.pool.discard(gone)
+            self._serving(gone, False)
+            self.on_change("gone", gone, f"replica {gone} left the pool: {event.reason!r}", True)
+        return None
+
+    def _part_event(self, replica: int, event: SupervisorEvent) -> None:
+        name = f"{event.child}-{replica}"
+        if event.kind == "crashed":
+            self._crashed_at[name] = trio.current_time()
+            key = (name, type(event.reason).__name__)
+            self.crashes[key] = self.crashes.get(key, 0) + 1
+        if event.kind in ("crashed", "exited"):
+            self._serving(replica, False)
+            if replica not in self._down:
+                self._down.add(replica)
+                self.on_change("down", replica, f"the {name} crashed: {event.reason!r}", event.child == "scheduler")
+        elif event.kind in ("restarting", "stopped"):
+            self._serving(replica, False)
+        elif event.kind == "started":
+            self.starts[name] = self.starts.get(name, 0) + 1
+            self._start_seen.set()
+            if name in self._crashed_at:
+                self.recoveries.append(trio.current_time() - self._crashed_at.pop(name))
+            if set(PARTS) <= set(self.replicas.running(replica)) and replica in self.pool:
+                self._serving(replica, True)
+                if replica in self._down:
+                    self._down.discard(replica)
+                    self.on_change("up", replica, "", False)
+
+    def _serving(self, replica: int, serving: bool) -> None:
+        if serving:
+            self.serving.add(replica)
+            self._up.set()
+        else:
+            self.serving.discard(replica)
+            if not self.serving and self._up.is_set():
+                self._up = trio.Event()
