@@ -45,6 +45,7 @@ from .messages import (
     DetokenizerInbox,
     DetokenizerInfoReq,
     FinishReason,
+    ForgetRequests,
     StopStringHit,
 )
 
@@ -239,6 +240,9 @@ class DetokenizerManager(Actor):
     async def handle(self, msg: Any) -> Any:
         assert self.ctx is not None
         match msg:
+            case ForgetRequests(rids):
+                for rid in rids:
+                    self.states.pop(rid, None)
             case DetokenizerInfoReq():
                 return {"requests": len(self.states), "unknown_rids": self.unknown_rids}
             case BatchTokenIDOut():

@@ -36,6 +36,7 @@ __all__ = [
     "DetokenizerInfoReq",
     "FinishReason",
     "FlushCacheReq",
+    "ForgetRequests",
     "GenerateReq",
     "HealthProbe",
     "SamplingParams",
@@ -231,7 +232,14 @@ class DetokenizerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     """By ``call``: how many requests the detokenizer holds state for."""
 
 
-DetokenizerInbox = BatchTokenIDOut | DetokenizerInfoReq
+class ForgetRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """TokenizerManager → a replica's detokenizer: these incarnations resume on another
+    replica (theirs went down); drop their decoding state (unknown ones are ignored)."""
+
+    rids: list[str]
+
+
+DetokenizerInbox = BatchTokenIDOut | DetokenizerInfoReq | ForgetRequests
 
 
 # -- DetokenizerManager → TokenizerManager ---------------------------------------

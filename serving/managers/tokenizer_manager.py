@@ -67,6 +67,7 @@ from .messages import (
     AbortWhere,
     BatchStrOut,
     FinishReason,
+    ForgetRequests,
     GenerateReq,
     RuntimeStatus,
     SamplingParams,
@@ -406,6 +407,8 @@ class TokenizerManager(Actor):
                 with trio.move_on_after(1.0):
                     await self.ctx.send(self.schedulers[state.last_replica],
                                         AbortReq(old, f"resumed on replica {replica}"))
+                    if self.detokenizers:  # which, if it lives on, still holds its decoding state
+                        await self.ctx.send(self.detokenizers[state.last_replica], ForgetRequests([old]))
         state.submitted = True
         state.heard_at = trio.current_time()
         state.since_submit, state.progressed = 0, trio.Event()

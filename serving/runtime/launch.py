@@ -213,7 +213,9 @@ class LocalRuntime(Supervised):
             log.warning("replica %d: outputs stalled while its detokenizer restarts; its scheduler is left alone "
                         "(%s)", replica, reason)
             return
-        supervisor.kill("scheduler", reason)
+        if supervisor.kill("scheduler", reason):
+            # its requests move now, not once the hung process is dead (that can take the kill's grace)
+            self.status.mark_down(replica, f"the scheduler-{replica} hung: {reason!r}", cache_lost=True)
 
     async def set_paused(self, paused: bool) -> None:
         self.gate.set_closed(paused)
@@ -245,111 +247,6 @@ class LocalRuntime(Supervised):
         for i in answers.keys() - set(loaded):  # every replica serves the same weights: restart on them
             self.kill_scheduler(RuntimeError(f"replica {i} did not load {path}: {answers[i]}"), i)
         return answers[loaded[0]]
-
-    def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
-        """After an event; ``crash``: a scheduler or detokenizer is back after it (resume)."""
-        raise NotImplementedError
-
-    def _failed(self, failure: BaseException) -> None:
-        raise NotImplementedError
-
-
-class _Ready:
-    """A task status that remembers whether ``started`` was called."""
-
-    def __init__(self, task_status: Any) -> None:
-        self.task_status = task_status
-        self.done = False
-
-    def started(self, value: Any = None) -> None:
-        self.done = True
-        self.task_status.started(value)
-
-
-class LocalRuntime(Supervised):
-    """A topology whose tokenizer manager runs in this process: the ``Runtime``
-    of a single-process server and of the offline Engine. With replicas
-    (``scheduler.replicas > 1``) each is a subtree of the supervisor, and a
-    replica going down moves its requests to the others (``serving.runtime.replicas``)."""
-
-    worker = None
-
-    def __init__(self, topology: Topology, tokenizer: Any, runtime_dir: Path, hub: Any,
-                 nursery: trio.Nursery) -> None:
-        super().__init__(topology, tokenizer, runtime_dir)
-        self.gate = Gate()
-        self._nursery = nursery
-        self.replicas: ReplicaSet | None = None
-        grace = topology.supervision.shutdown_grace
-        tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
-            self._tm.build, self.addresses["tokenizer"], hub), shutdown=grace)
-        workers = [self.addresses["tokenizer"]]
-        if topology.scheduler.replicas == 1:
-            replicas = None
-            specs = core_specs(topology, self.addresses, workers, hub, tokenizer, lambda: self.weights)
-        else:
-            placements = topology.replica_placements()
-            self.replicas = ReplicaSet(
-                topology, runtime_dir,
-                lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
-                                                placements[i]),
-                lambda name, specs: make_supervisor(topology, specs, self._on_event, name))
-            replicas, specs = self.replicas.addresses, self.replicas.specs
-        self._tm = TokenizerManagerSlot(lambda: self._new_tokenizer_manager(replicas))
-        self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
-        if self.replicas is None:
-            self.status = StatusTracker(self.supervisor)
-        else:
-            self.status = ReplicaStatus(self.supervisor, self.replicas, self._replica_changed)
-
-    def _new_tokenizer_manager(self, replicas: list[dict[str, str]] | None) -> TokenizerManager:
-        tm = make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=replicas,
-                                    on_stall=self.kill_scheduler)
-        if isinstance(self.status, ReplicaStatus):  # a restarted tokenizer manager: as things stand
-            tm.up = [i in self.status.serving for i in range(len(tm.up))]
-        return tm
-
-    @property
-    def tokenizer_manager(self) -> TokenizerManager:
-        return self._tm.current
-
-    def kill_scheduler(self, reason: BaseException, replica: int = 0) -> None:
-        if self.replicas is None:
-            super().kill_scheduler(reason)
-            return
-        supervisor = self.replicas.supervisors[replica]
-        if supervisor is None or "detokenizer" not in supervisor.running():
-            log.warning("replica %d: outputs stalled while its detokenizer restarts; its scheduler is left alone "
-                        "(%s)", replica, reason)
-            return
-        supervisor.kill("scheduler", reason)
-
-    async def set_paused(self, paused: bool) -> None:
-        self.gate.set_closed(paused)
-
-    async def update_weights(self, path: str) -> dict[str, Any]:
-        timeout = self.topology.server.weights_drain_timeout
-        tm = self.tokenizer_manager
-        try:
-            async with self.gate.writing(timeout):  # requests in flight finish on the old weights
-                answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
-        except trio.TooSlowError:
-            return {"success": False, "status": 409,
-                    "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
-        failed = {i: a for i, a in answers.items() if isinstance(a, BaseException) or not a["success"]}
-        if not failed:
-            self.weights = path  # a restarted scheduler loads these
-            return next(iter(answers.values())) if answers else {"success": False, "message": "no replica is up"}
-        if len(answers) == 1:
-            (answer,) = answers.values()
-            if isinstance(answer, BaseException):
-                raise answer
-            return answer
-        # replicas must serve the same weights: one that failed while others loaded is restarted on them
-        self.weights = path if len(failed) < len(answers) else self.weights
-        problems = "; ".join(f"replica {i}: {a if isinstance(a, BaseException) else a['message']}"
-                             for i, a in sorted(failed.items()))
-        return {"success": False, "message": f"the weights could not be updated on every replica: {problems}"}
 
     def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
         if crash is not None and self._tm.started:

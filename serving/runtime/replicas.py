@@ -127,10 +127,7 @@ class ReplicaStatus(StatusTracker):
             key = (name, type(event.reason).__name__)
             self.crashes[key] = self.crashes.get(key, 0) + 1
         if event.kind in ("crashed", "exited"):
-            self._serving(replica, False)
-            if replica not in self._down:
-                self._down.add(replica)
-                self.on_change("down", replica, f"the {name} crashed: {event.reason!r}", event.child == "scheduler")
+            self.mark_down(replica, f"the {name} crashed: {event.reason!r}", cache_lost=event.child == "scheduler")
         elif event.kind in ("restarting", "stopped"):
             self._serving(replica, False)
         elif event.kind == "started":
@@ -143,6 +140,13 @@ class ReplicaStatus(StatusTracker):
                 if replica in self._down:
                     self._down.discard(replica)
                     self.on_change("up", replica, "", False)
+
+    def mark_down(self, replica: int, cause: str, *, cache_lost: bool) -> None:
+        """``replica`` lost its requests (from its first crash, or once it is being killed)."""
+        self._serving(replica, False)
+        if replica not in self._down:
+            self._down.add(replica)
+            self.on_change("down", replica, cause, cache_lost)
 
     def _serving(self, replica: int, serving: bool) -> None:
         if serving:

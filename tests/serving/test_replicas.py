@@ -1,0 +1,229 @@
+"""Data-parallel replicas: the router's policies, and two replicas of real processes —
+requests spread by policy, a shared prefix lands where it is cached, and a replica
+killed, frozen or lost for good has its requests finished by the other, with the
+text of a fault-free run."""
+
+import os
+import signal
+
+import httpx
+import pytest
+import trio
+
+from serving.managers.router import Router, RouterConfig
+from serving.runtime.topology import TopologyError, load_topology
+
+from .test_http import start_server
+from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, run_all, runner  # noqa: F401
+
+# -- the router alone ---------------------------------------------------------------------
+
+
+def test_round_robin_takes_the_replicas_up_in_turn():
+    router = Router(3, RouterConfig(policy="round_robin"))
+    assert [router.choose([1], [0, 1, 2]) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [router.choose([1], [0, 2]) for _ in range(4)] == [0, 2, 0, 2]  # 1 is down
+    assert router.routed == [4, 2, 4] and router.load == [4, 2, 4]
+
+
+def test_shortest_queue_takes_the_least_loaded():
+    router = Router(2, RouterConfig(policy="shortest_queue"))
+    assert [router.choose([1], [0, 1]) for _ in range(4)] == [0, 1, 0, 1]
+    router.release(1)
+    router.release(1)
+    assert router.choose([1], [0, 1]) == 1 and router.load == [2, 1]
+
+
+def test_cache_aware_sends_a_prefix_where_it_went_before_until_the_load_is_imbalanced():
+    router = Router(2, RouterConfig(block_tokens=4, balance_abs_threshold=2, balance_rel_threshold=1.5))
+    system_a, system_b = list(range(100, 132)), list(range(200, 232))
+    first_a = router.choose(system_a + [1, 2, 3, 4], [0, 1])
+    first_b = router.choose(system_b + [1, 2, 3, 4], [0, 1])
+    assert first_a != first_b  # a prompt nobody holds goes to the replica holding the least
+    assert router.matched(system_a + [9] * 8, first_a) == 32 and router.matched(system_a, first_b) == 0
+    assert [router.choose(system_a + [i] * 8, [0, 1]) for i in range(3)] == [first_a] * 3
+    # now 4 in flight there and 1 on the other: past both thresholds, the least loaded wins
+    assert router.load[first_a] == 4 and router.choose(system_a + [7] * 8, [0, 1]) == first_b
+    router.forget(first_a)  # its scheduler restarted: nothing cached there any more
+    assert router.matched(system_a, first_a) == 0
+
+
+def test_cache_aware_bounds_what_it_remembers():
+    router = Router(1, RouterConfig(block_tokens=2, max_blocks=3))
+    router.choose(list(range(20)), [0])
+    assert router.matched(list(range(20)), 0) == 0  # the oldest blocks (the prefix's start) went
+    assert len(router._blocks[0]) == 3
+
+
+# -- topologies ---------------------------------------------------------------------------
+
+
+def test_replica_addresses_are_numbered_and_bad_replica_topologies_name_the_field(tmp_path):
+    topology = load_topology("default", {"scheduler.replicas": 2})
+    assert [a["scheduler"] for a in topology.replica_addresses(tmp_path)] == [
+        f"ipc://{tmp_path}/scheduler-0", f"ipc://{tmp_path}/scheduler-1"]
+    with pytest.raises(TopologyError, match=r"actors.scheduler.address: with scheduler.replicas > 1 over tcp"):
+        load_topology("tcp", {"scheduler.replicas": 2})
+    with pytest.raises(TopologyError, match=r"scheduler.replicas: must be in 1..64"):
+        load_topology("default", {"scheduler.replicas": 0})
+    with pytest.raises(TopologyError, match=r"scheduler.replicas: replicas with server.workers > 1"):
+        load_topology("multi-worker", {"scheduler.replicas": 2})
+    with pytest.raises(TopologyError, match=r"router.policy"):
+        load_topology("default", {"router.policy": "random"})
+    one = {"scheduler": {"process": "child", "address": "tcp://127.0.0.1:7001"},
+           "detokenizer": {"process": "child", "address": "tcp://127.0.0.1:7002"}}
+    with pytest.raises(TopologyError, match=r"actors.replicas: 1 placements for scheduler.replicas: 2"):
+        load_topology("tcp", {"scheduler.replicas": 2, "actors.replicas": [one]})
+    with pytest.raises(TopologyError, match=r"actors.replicas: two replicas share an address"):
+        load_topology("tcp", {"scheduler.replicas": 2, "actors.replicas": [one, one]})
+    remote = {**one, "scheduler": {"process": "child", "address": "tcp://10.0.0.5:7001"}}
+    with pytest.raises(TopologyError, match=r"actors.replicas.1.scheduler.address: tcp://10.0.0.5:7001 is not a "
+                                            r"loopback address"):
+        load_topology("tcp", {"scheduler.replicas": 2, "actors.replicas": [one, remote]})
+
+
+def test_dp_size_sets_the_replicas():
+    from serving.cli import parser, topology_from
+
+    topology = topology_from(parser().parse_args(["serve", "--dp-size", "3", "--router-policy", "round_robin"]))
+    assert topology.scheduler.replicas == 3 and topology.router.policy == "round_robin"
+
+
+# -- two replicas, real processes -----------------------------------------------------------
+
+TWO = {**RECOVERY, "scheduler.replicas": 2}
+
+
+def replica_pid(app, part, replica):
+    return app.state.server.runtime.status.pids()[f"{part}-{replica}"]
+
+
+async def info_of(client):
+    return (await client.get("/server_info")).json()
+
+
+@pytest.mark.slow
+async def test_shared_prefixes_land_where_they_are_cached(nursery):
+    """Three system prompts, eight questions each: cache_aware serves more of the prompts from the
+    prefix caches than round_robin (which sends each system prompt to both replicas), and every
+    replica gets work."""
+    systems = [[1000 + 50 * s + i for i in range(48)] for s in range(3)]
+    bodies = [{"input_ids": systems[s] + [7 + q, 8 + s], "rid": f"q{s}-{q}",
+               "sampling_params": {"max_new_tokens": 2, "temperature": 0}} for q in range(8) for s in range(3)]
+    url, app = await start_server(nursery, "default", **TWO)
+    tm = app.state.server.runtime.tokenizer_manager
+    hit_rates = {}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for policy in ("cache_aware", "round_robin"):
+            assert (await client.post("/flush_cache")).status_code == 200  # both replicas' caches
+            tm.router = Router(2, RouterConfig(policy=policy))
+            tm.prompt_tokens, tm.cached_tokens = [0, 0], [0, 0]
+            for body in bodies:  # one after another: each sees what the previous left in the caches
+                assert (await client.post("/generate", json=body)).status_code == 200
+            replicas = (await info_of(client))["replicas"]
+            assert sum(r["routed"] for r in replicas) == len(bodies) and all(r["routed"] for r in replicas)
+            hit_rates[policy] = sum(r["cached_tokens"] for r in replicas) / sum(r["prompt_tokens"] for r in replicas)
+    # cache_aware: each system prompt is prefilled once (3 misses); round robin: on both replicas (6)
+    assert hit_rates["cache_aware"] > hit_rates["round_robin"] + 0.05, hit_rates
+
+
+async def stream_and_strike(app, client, bodies, strike):
+    """Stream ``bodies`` at two replicas (round robin: both hold requests); ``strike(app, client)``
+    once tokens flow on both. The texts the clients received and /server_info after."""
+    tm = app.state.server.runtime.tokenizer_manager
+    texts = {}
+    async with trio.open_nursery() as inner:
+        inner.start_soon(run_all, client, bodies, True, texts)
+        with trio.fail_after(120):
+            while {s.replica for s in tm.rid_to_state.values() if s.output_ids} != {0, 1}:
+                await trio.sleep(0.005)
+        await strike(app, client)
+    return texts, await info_of(client)
+
+
+@pytest.mark.slow
+async def test_a_replica_killed_mid_stream_has_its_requests_finished_by_the_other_at_once(nursery, baseline):
+    """kill -9 of one replica's scheduler during 32 greedy streams: all 32 end with the text of a
+    fault-free run, and before the dead replica is even restarted (its restart waits 60 s)."""
+    bodies = requests_for(21, n=32)
+    expected = baseline(bodies)
+
+    async def kill(app, client):
+        os.kill(replica_pid(app, "scheduler", 1), signal.SIGKILL)
+
+    url, app = await start_server(nursery, "default", **TWO, **{
+        "router.policy": "round_robin", "supervision.backoff_initial": 60.0, "supervision.backoff_max": 60.0,
+        "supervision.shutdown_grace": 2.0})
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        texts, info = await stream_and_strike(app, client, bodies, kill)
+    assert texts == expected
+    tm, status = app.state.server.runtime.tokenizer_manager, app.state.server.runtime.status
+    assert status.starts["scheduler-1"] == 1 and info["restarts"]["scheduler-1"] == 0  # not back yet
+    assert tm.migrated > 0 and info["migrated"] == tm.migrated and tm.up == [True, False]
+    assert info["replicas"][1]["up"] is False and info["replicas"][1]["in_pool"] is True
+    assert tm.rid_to_state == {} and tm.router.load == [0, 0]
+    assert_drained(info)
+
+
+@pytest.mark.slow
+async def test_a_replica_lost_for_good_leaves_the_pool_and_the_server_serves_on(nursery):
+    """No restarts allowed: a replica whose scheduler dies leaves the pool, the server serves on
+    with the other (/health says so), and only when the last one goes does the server fail."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    url, app = await start_server(nursery, "default", **{**TWO, "supervision.max_restarts": 0})
+    status = app.state.server.runtime.status
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        assert (await client.get("/health")).text == "OK: 2 of 2 replicas serving"
+        os.kill(replica_pid(app, "scheduler", 0), signal.SIGKILL)
+        with trio.fail_after(60):
+            while 0 in status.pool:
+                await trio.sleep(0.01)
+        assert (await client.get("/health")).text == "OK: 1 of 2 replicas serving"
+        for _ in range(3):
+            assert (await client.post("/generate", json=body)).status_code == 200
+        info = await info_of(client)
+        assert [r["in_pool"] for r in info["replicas"]] == [False, True] and info["replicas"][1]["routed"] >= 3
+        os.kill(replica_pid(app, "scheduler", 1), signal.SIGKILL)
+        with trio.fail_after(60):
+            await status.failed.wait()
+        r = await client.get("/health")
+        assert r.status_code == 503 and "every replica left the pool" in r.text
+
+
+@pytest.mark.slow
+async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detokenizer_moves_its_requests(
+        nursery, baseline):
+    """SIGSTOP of one replica's scheduler: that replica's output watchdog (3 s) kills it while the
+    other keeps streaming, and its requests finish on the other. Then a detokenizer killed: its
+    replica's requests move, its scheduler stops running their old incarnations, and the replica
+    comes back and takes requests again."""
+    async def freeze(app, client):
+        os.kill(replica_pid(app, "scheduler", 0), signal.SIGSTOP)
+
+    async def kill_detokenizer(app, client):
+        os.kill(replica_pid(app, "detokenizer", 1), signal.SIGKILL)
+
+    frozen, lost = requests_for(22, n=8), requests_for(23, n=8)
+    expected = baseline(frozen + lost)  # (before the server starts: the reference run blocks this thread)
+    url, app = await start_server(nursery, "default", **TWO, **{"router.policy": "round_robin",
+                                                                "watchdogs.output_timeout": 3.0})
+    status, tm = app.state.server.runtime.status, app.state.server.runtime.tokenizer_manager
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        texts, info = await stream_and_strike(app, client, frozen, freeze)
+        assert texts == {b["rid"]: expected[b["rid"]] for b in frozen}  # (before the hung process is even
+        # dead: it is sent SIGTERM, and SIGKILL 10 s later)
+        assert_drained(info)
+        await status.started("scheduler-0", 2)
+        assert status.crashes == {("scheduler-0", "WatchdogTimeout"): 1}
+        migrated = tm.migrated
+
+        texts, info = await stream_and_strike(app, client, lost, kill_detokenizer)
+        assert texts == {b["rid"]: expected[b["rid"]] for b in lost} and tm.migrated > migrated
+        assert_drained(info, stale_outputs=True)  # replica 1's scheduler: no request left in it either
+        await status.started("detokenizer-1", 2)
+        assert tm.up == [True, True] and (await client.get("/health")).text == "OK: 2 of 2 replicas serving"
+        routed = tm.router.routed[1]
+        for _ in range(2):
+            r = await client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200, r.text
+        assert tm.router.routed[1] == routed + 1
