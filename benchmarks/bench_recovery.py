@@ -34,6 +34,17 @@ Figures (times are this process's ``perf_counter``):
   ``[DONE]`` and exactly output-len tokens.
 - identical_to_fault_free: every request's final text and token ids equal
   the baseline's (exact only in float32; bf16 batches can round apart).
+
+``--replicas N`` (N > 1, the replica-kill mode): N data-parallel replicas
+routed round robin, and each kill is of replica 1's scheduler. /health
+stays 200 throughout (the others serve), so instead of recovery_s:
+
+- migration_s: per kill, the kill -> the first token after it of the stream
+  that waited longest for one: the requests of the dead replica, resumed
+  on another (the others' next tokens come a step after the kill). Worst
+  kill reported; the target is migration_s < restart_s (no request waits
+  for the dead replica to come back).
+- migrated: requests resumed on another replica (the server's figure).
 """
 
 from __future__ import annotations
@@ -216,6 +227,9 @@ def write_config(args, tmp: Path) -> Path:
     data["supervision"]["max_restarts"] = max(data["supervision"]["max_restarts"], args.kills + 1)
     data["supervision"]["quarantine_after"] = args.kills + 1  # kills from outside are no poison
     data["scheduler"]["enable_deterministic_inference"] = args.deterministic_now
+    if args.replicas > 1:
+        data["scheduler"]["replicas"] = args.replicas
+        data["router"] = {"policy": "round_robin"}  # the killed replica holds its share
     path = tmp / "bench-recovery.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -230,7 +244,7 @@ async def benchmark(args) -> dict:
         topology = load_topology(config)
         report = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": topology.model.dtype,
                   "requests": args.requests, "output_len": args.output_len, "kills": args.kills,
-                  "deterministic": args.deterministic_now}
+                  "deterministic": args.deterministic_now, "replicas": args.replicas}
         report["model_load_s"] = await time_scheduler_start(topology)
         log = (tmp / "server.log").open("wb")
         started = time.perf_counter()
@@ -277,35 +291,54 @@ async def kill_phase(args, url: str, control: RawHTTP) -> dict:
     progress = Progress()
     total = args.requests * args.output_len
     kills = []
+    victim = "scheduler" if args.replicas == 1 else "scheduler-1"
     async with trio.open_nursery() as nursery:
         streams = await nursery.start(run_streams, url, bodies, progress)
         for k in range(args.kills):
-            pid = msgspec.json.decode((await status_of(control, "/server_info"))[1])["pids"]["scheduler"]
+            info = msgspec.json.decode((await status_of(control, "/server_info"))[1])
+            while victim not in info["pids"]:  # a replica killed before: back in the pool first
+                await trio.sleep(0.05)
+                info = msgspec.json.decode((await status_of(control, "/server_info"))[1])
             await progress.wait_for(total * (k + 1) // (args.kills + 1))
-            kills.append(await kill_and_watch(url, pid, args.timeout))
+            if args.replicas == 1:
+                kills.append(await kill_and_watch(url, info["pids"][victim], args.timeout))
+            else:
+                kills.append({"pid": info["pids"][victim], "killed": time.perf_counter()})
+                os.kill(kills[-1]["pid"], signal.SIGKILL)
+    while args.replicas > 1 and victim not in msgspec.json.decode((await status_of(control, "/server_info"))[1])[
+            "pids"]:  # back in the pool: its restart time is known
+        await trio.sleep(0.05)
     metrics = (await status_of(control, "/metrics"))[1].decode()
     info = msgspec.json.decode((await status_of(control, "/server_info"))[1])
 
     for kill in kills:
-        after = [t for t in progress.arrivals if t > kill["down"]]
-        kill["recovery_s"] = after[0] - kill["killed"] if after else None
-        kill["tail_tokens"] = sum(kill["killed"] < t <= kill["down"] for t in progress.arrivals)
-        kill["down_s"], kill["up_s"] = kill["down"] - kill["killed"], kill["up"] - kill["killed"]
+        if args.replicas == 1:
+            after = [t for t in progress.arrivals if t > kill["down"]]
+            kill["recovery_s"] = after[0] - kill["killed"] if after else None
+            kill["tail_tokens"] = sum(kill["killed"] < t <= kill["down"] for t in progress.arrivals)
+            kill["down_s"], kill["up_s"] = kill["down"] - kill["killed"], kill["up"] - kill["killed"]
+        else:
+            firsts = [next((t for t in s.arrivals if t > kill["killed"]), None) for s in streams]
+            waited = [t - kill["killed"] for t in firsts if t is not None]
+            kill["migration_s"] = max(waited) if waited else None
     ok = [s for s in streams if s.done and not s.error and len(s.ids) == args.output_len]
     gaps = [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:])]
     same = sum((s.text, s.ids) == (b.text, b.ids) for s, b in zip(streams, baseline))
     restart = {kind: float(value) for kind, value in
                re.findall(r"^tercet_recovery_seconds_(sum|count) (\S+)$", metrics, re.M)}
-    recoveries = [k["recovery_s"] for k in kills]
+    timed = [k.get("recovery_s" if args.replicas == 1 else "migration_s") for k in kills]
+    worst = None if None in timed or not kills else max(timed)
     return {
-        "recovery_s": None if None in recoveries or not kills else max(recoveries),
+        "recovery_s": worst if args.replicas == 1 else None,
+        "migration_s": worst if args.replicas > 1 else None,
+        "migrated": info.get("migrated", 0),
         "max_gap_s": max(gaps, default=0.0),
         "completed": len(ok), "failed": len(streams) - len(ok),
         "errors": sorted({s.error for s in streams if s.error}),
         "identical_to_fault_free": same == len(streams), "identical_count": same,
         "baseline_failed": sum(not s.done or bool(s.error) for s in baseline),
         "restart_s": restart["sum"] / restart["count"] if restart.get("count") else None,
-        "restarts": info["restarts"].get("scheduler", 0),
+        "restarts": info["restarts"].get(victim, 0),
         "per_kill": [{k: v for k, v in kill.items() if k not in ("killed", "down", "up")} for kill in kills],
     }
 
@@ -313,6 +346,11 @@ async def kill_phase(args, url: str, control: RawHTTP) -> dict:
 def judge(report: dict) -> dict:
     recovery, load = report["recovery_s"], report["model_load_s"]
     restart = report["restart_s"]
+    if report["replicas"] > 1:
+        migration = report["migration_s"]
+        return {"migration_over_restart": None if None in (migration, restart) else migration / restart,
+                "target_met": migration is not None and report["failed"] == 0
+                and (restart is None or migration < restart)}
     return {"recovery_over_load": None if recovery is None else recovery / load,
             "resume_overhead_s": None if None in (recovery, restart) else recovery - restart,
             "target_met": recovery is not None and recovery <= load + 1.0 and report["failed"] == 0}
@@ -323,20 +361,34 @@ def print_table(r: dict) -> None:
         return "-" if value is None else f"{value:.3f}{unit}"
 
     print(f"model {r['model']} ({r['dtype']}{', deterministic inference' if r['deterministic'] else ''}), "
-          f"{r['requests']} streaming requests x {r['output_len']} tokens, {r['kills']} kill(s) -9 of the scheduler")
-    print(f"{'kill':>4} {'pid':>8} {'-> /health down':>16} {'-> /health 200':>15} {'-> first token':>15} "
-          f"{'tail tokens':>11}")
-    for i, k in enumerate(r["per_kill"], 1):
-        print(f"{i:>4} {k['pid']:>8} {s(k['down_s']):>16} {s(k['up_s']):>15} {s(k['recovery_s']):>15} "
-              f"{k['tail_tokens']:>11}")
-    rows = [
-        ("model load (a scheduler process, spawn -> ready)", s(r["model_load_s"])),
+          f"{r['requests']} streaming requests x {r['output_len']} tokens, {r['kills']} kill(s) -9 of "
+          + ("the scheduler" if r["replicas"] == 1 else f"replica 1's scheduler of {r['replicas']} replicas"))
+    if r["replicas"] > 1:
+        for i, k in enumerate(r["per_kill"], 1):
+            print(f"  kill {i} (pid {k['pid']}): kill -> the last stream's first token after it "
+                  f"{s(k['migration_s'])}")
+        rows = [
+            ("server restart (crash -> scheduler ready, mean)", s(r["restart_s"])),
+            ("migration (kill -> first token of a moved request)", s(r["migration_s"])),
+            ("target migration < restart, failed = 0", "met" if r["target_met"] else "MISSED"),
+            ("requests migrated", str(r["migrated"])),
+        ]
+    else:
+        print(f"{'kill':>4} {'pid':>8} {'-> /health down':>16} {'-> /health 200':>15} {'-> first token':>15} "
+              f"{'tail tokens':>11}")
+        for i, k in enumerate(r["per_kill"], 1):
+            print(f"{i:>4} {k['pid']:>8} {s(k['down_s']):>16} {s(k['up_s']):>15} {s(k['recovery_s']):>15} "
+                  f"{k['tail_tokens']:>11}")
+        rows = [
+            ("model load (a scheduler process, spawn -> ready)", s(r["model_load_s"])),
+            ("recovery (kill -> first resumed token, worst)", s(r["recovery_s"])),
+            ("recovery - server restart (resume overhead)", s(r["resume_overhead_s"])),
+            ("recovery / model load", s(r["recovery_over_load"], "")),
+            ("target recovery <= load + 1 s, failed = 0", "met" if r["target_met"] else "MISSED"),
+            ("server restart (crash -> scheduler ready, mean)", s(r["restart_s"])),
+        ]
+    rows += [
         ("server cold start (spawn -> /health 200)", s(r["server_start_s"])),
-        ("server restart (crash -> scheduler ready, mean)", s(r["restart_s"])),
-        ("recovery (kill -> first resumed token, worst)", s(r["recovery_s"])),
-        ("recovery - server restart (resume overhead)", s(r["resume_overhead_s"])),
-        ("recovery / model load", s(r["recovery_over_load"], "")),
-        ("target recovery <= load + 1 s, failed = 0", "met" if r["target_met"] else "MISSED"),
         ("longest client-visible gap", s(r["max_gap_s"])),
         ("completed / failed", f"{r['completed']} / {r['failed']}"),
         ("identical to the fault-free run", f"{r['identical_count']}/{r['requests']}"
@@ -362,6 +414,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--deterministic", choices=["off", "on", "both"], default="off",
                    help="the server's --enable-deterministic-inference; both: one run each, identity compared")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="N > 1: data-parallel replicas, and each kill is of replica 1 (the replica-kill mode)")
     p.add_argument("--smoke", action="store_true", help="tiny model in float32, 4 requests x 128 tokens")
     args = p.parse_args(argv)
     if args.smoke:

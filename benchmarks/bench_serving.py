@@ -67,6 +67,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
 
 
 # ---- a minimal HTTP/1.1 client ----------------------------------------------
@@ -301,6 +302,9 @@ async def send_one(client: RawHTTP, path: str, body: dict, input_len: int,
                         usage = message.get("usage") or {}
                         if usage.get("prompt_tokens"):
                             result.prompt_tokens = usage["prompt_tokens"]
+                            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                            if cached is not None:
+                                result.cached_tokens = cached
                         choices = message.get("choices") or []
                         if "completion_tokens" in usage:
                             n = usage["completion_tokens"] - (usage_done or 0)
@@ -337,10 +341,22 @@ async def send_one(client: RawHTTP, path: str, body: dict, input_len: int,
 # ---- prompts, runs ----------------------------------------------------------
 
 def make_prompts(rng: np.random.Generator, n: int, args, text: bool) -> list:
+    """``n`` random prompts of ``--input-len`` tokens (or words); with ``--system-prompts K``,
+    each begins with one of K shared system prompts of ``--system-len`` (drawn at random; the
+    same K in every run), then its own random rest."""
+    if not args.system_prompts:
+        return random_prompts(rng, n, args.input_len, args, text)
+    systems = random_prompts(np.random.default_rng([args.seed, 7]), args.system_prompts, args.system_len, args, text)
+    own = random_prompts(rng, n, args.input_len - args.system_len, args, text)
+    picks = rng.integers(0, args.system_prompts, size=n)
+    return [f"{systems[k]} {rest}" if text else systems[k] + rest for k, rest in zip(picks, own)]
+
+
+def random_prompts(rng: np.random.Generator, n: int, length: int, args, text: bool) -> list:
     if text:
-        words = rng.integers(0, len(WORDS), size=(n, args.input_len))
+        words = rng.integers(0, len(WORDS), size=(n, length))
         return [" ".join(WORDS[i] for i in row) for row in words]
-    ids = rng.integers(args.token_low, args.token_high, size=(n, args.input_len))
+    ids = rng.integers(args.token_low, args.token_high, size=(n, length))
     return [row.tolist() for row in ids]
 
 
@@ -380,6 +396,7 @@ def summarize(results: list[Result], wall: float, cpu: float, concurrency, rate)
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    told = [r for r in ok if r.cached_tokens is not None]
     errors = Counter(r.error for r in results if not r.ok)
     return {
         "max_concurrency": concurrency,
@@ -395,6 +412,9 @@ def summarize(results: list[Result], wall: float, cpu: float, concurrency, rate)
         "output_throughput": out_tokens / wall,
         "total_token_throughput": (in_tokens + out_tokens) / wall,
         "client_cpu_s": cpu,
+        # prompt tokens served from the server's prefix cache (as its usage says; None if it does not)
+        "cache_hit_rate": sum(r.cached_tokens for r in told) / max(1, sum(r.prompt_tokens for r in told))
+        if told else None,
         "ttft_ms": stats_ms([r.ttft for r in ok]),
         "tpot_ms": stats_ms([(r.e2e - r.ttft) / (r.output_tokens - 1)
                              for r in ok if r.output_tokens > 1]),
@@ -480,6 +500,9 @@ def print_table(report: dict) -> None:
             s = run[f"{m}_ms"]
             line += num(s["mean"], 9, 2) + num(s["p50"], 9, 2) + num(s["p99"], 9, 2)
         print(line)
+        if report["args"].get("system_prompts"):
+            print(f"      prefix cache hit rate: {num(run['cache_hit_rate'], 5, 3)} "
+                  f"({report['args']['system_prompts']} system prompts of {report['args']['system_len']} tokens)")
         for error, count in run["errors"].items():
             print(f"      {count} x {error}")
 
@@ -532,6 +555,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    nargs="+", default=None, help="one run per value (a sweep); default: no limit")
     p.add_argument("--warmup", type=int, default=None, help="requests before the runs (default 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-prompts", type=int, default=0, metavar="K",
+                   help="the shared-prefix workload: every prompt begins with one of K system prompts "
+                   "(the same K in every run), then its own tokens; reports the cache hit rate")
+    p.add_argument("--system-len", type=int, default=None, help="tokens of each system prompt (default: 3/4 "
+                   "of --input-len)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per network read")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--plot", help="PNG of latency and throughput against concurrency")
@@ -556,6 +584,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, smoke if small else normal)
     if not args.smoke and not args.base_url:
         p.error("--base-url is required unless --smoke")
+    if args.system_len is None:
+        args.system_len = args.input_len * 3 // 4
+    if args.system_prompts < 0 or (args.system_prompts and not 0 < args.system_len < args.input_len):
+        p.error("--system-prompts K >= 0, and --system-len must be in 1..input_len - 1")
     return args
 
 

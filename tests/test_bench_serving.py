@@ -120,3 +120,23 @@ def test_response_reader_chunked_and_sized():
     assert trio.run(read, closing, [b"z"]) == (b"xyz", "done")
     with pytest.raises(bench.HTTPProtocolError):
         trio.run(read, chunked, [b"lo\r\n"])  # cut inside the body
+
+
+def test_the_shared_prefix_workload_and_its_cache_hit_rate():
+    import numpy as np
+
+    args = bench.parse_args(["--base-url", "http://x", "--input-len", "40", "--system-prompts", "3",
+                             "--system-len", "32"])
+    prompts = bench.make_prompts(np.random.default_rng(0), 60, args, text=False)
+    assert {len(p) for p in prompts} == {40}
+    assert len({tuple(p[:32]) for p in prompts}) == 3 and len({tuple(p[32:]) for p in prompts}) == 60
+    again = bench.make_prompts(np.random.default_rng(1), 60, args, text=False)  # another run: the same systems
+    assert {tuple(p[:32]) for p in again} == {tuple(p[:32]) for p in prompts}
+    texts = bench.make_prompts(np.random.default_rng(0), 4, args, text=True)
+    assert all(len(t.split()) == 40 for t in texts)
+    results = [bench.Result(ok=True, prompt_tokens=40, cached_tokens=c, output_tokens=1) for c in (0, 32, 32, 16)]
+    assert bench.summarize(results, 1.0, 0.1, 1, float("inf"))["cache_hit_rate"] == 80 / 160
+    assert bench.summarize([bench.Result(ok=True, prompt_tokens=4, output_tokens=1)], 1.0, 0.1, 1,
+                           float("inf"))["cache_hit_rate"] is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--base-url", "http://x", "--input-len", "8", "--system-prompts", "2", "--system-len", "8"])
