@@ -249,9 +249,12 @@ class ActorChild:
     """Runs one actor as a supervisor child: bind, start, dispatch, stop."""
 
     def __init__(self, factory: typing.Callable[[], Actor], address: str, hub: Hub, *,
-                 capacity: int = DEFAULT_CAPACITY, faults: FaultHook | None = None) -> None:
+                 capacity: int = DEFAULT_CAPACITY, faults: FaultHook | None = None, bind: str | None = None) -> None:
+        """``address``: where others reach it (replies to its calls come there); ``bind``: where
+        its mailbox listens, when that differs (``tcp://0.0.0.0:PORT`` behind a name others dial)."""
         self.factory = factory
         self.address = address
+        self.bind = bind or address
         self.hub = hub
         self.capacity = capacity
         self.faults = faults
@@ -271,7 +274,7 @@ class ActorChild:
 
     async def run(self, *, task_status: trio.TaskStatus[Context] = trio.TASK_STATUS_IGNORED) -> None:
         actor = self.actor = self.factory()
-        inbox = await self.hub.bind(self.address, mailbox_decoder(actor.inbox), capacity=self.capacity)
+        inbox = await self.hub.bind(self.bind, mailbox_decoder(actor.inbox), capacity=self.capacity)
         self.stats.mailbox = inbox.dropped
         ctx: Context | None = None
         try:

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -24,7 +25,7 @@ from starlette.applications import Starlette
 from actors import ChildStartError
 
 from .http.app import build_app, hypercorn_config
-from .runtime.launch import open_runtime
+from .runtime.launch import open_runtime, run_replica
 from .runtime.topology import Topology, TopologyError, load_topology
 from .runtime.workers import open_worker_pool
 
@@ -97,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
                          help="batch-invariant kernels: greedy output independent of batching, prefix cache, "
                               "chunking and crash resume (CPU)")
     serve_p.add_argument("--log-level", default="info")
+    replica_p = sub.add_parser("replica", help="run one replica of a topology whose replicas are remote "
+                               "(a Kubernetes pod, a host of its own): its scheduler and detokenizer")
+    replica_p.add_argument("--config", required=True, help="the topology YAML the front end serves")
+    replica_p.add_argument("--index", type=int, required=True, help="which of actors.replicas this is")
+    replica_p.add_argument("--log-level", default="info")
     return p
 
 
@@ -240,10 +246,38 @@ def describe(topology: Topology) -> str:
     return f"{model} ({m.dtype}, device {m.device}{dp})"
 
 
+async def serve_replica(topology: Topology, index: int) -> None:
+    """``tercet replica``: until SIGINT/SIGTERM, or past the restart intensity (raises)."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_replica, topology, index)
+        log.info("replica %d serving: scheduler %s, detokenizer %s", index,
+                 *topology.replica_addresses(Path("."))[index].values())
+        await _until_signal_or(trio.Event(), 0.0)
+        nursery.cancel_scope.cancel()
+
+
+def replica_main(args: argparse.Namespace) -> int:
+    try:
+        topology = load_topology(args.config)
+        check_model(topology)
+        trio.run(serve_replica, topology, args.index)
+    except TopologyError as exc:
+        print(f"tercet: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - past the restart intensity, or it could not start
+        print(f"tercet replica {args.index}: {cause_of(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     debug = args.log_level.lower() == "debug"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "replica":
+        return replica_main(args)
     try:
         topology = topology_from(args)
         check_model(topology)

@@ -128,6 +128,7 @@ def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metri
         try:
             async with open_runtime() as runtime, trio.open_nursery() as nursery:
                 state = app.state.server = ServerState(runtime, metrics or Metrics())
+                await runtime.status.scheduler_up()  # (replicas started elsewhere may come later)
                 context = await state.context_len()
                 await nursery.start(state.health.run)
                 app.state.ready.set()

@@ -107,7 +107,7 @@ class ServerState:
 
     @property
     def replicated(self) -> bool:
-        return self.topology.scheduler.replicas > 1
+        return self.topology.replicated
 
     async def replica_infos(self, *, timeout: float = 10.0) -> dict[int, dict[str, Any]]:
         """Each replica up that answers: its scheduler's ``ServerInfoReq`` answer, with its
@@ -275,5 +275,6 @@ def merged_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
     if errors:
         merged["detokenizer"] = {"error": "; ".join(errors)}
     elif len(detokenizers) > 1:
-        merged["detokenizer"] = {key: sum(d[key] for d in detokenizers) for key in detokenizers[0]}
+        merged["detokenizer"] = {key: sum(d[key] for d in detokenizers) for key, value in detokenizers[0].items()
+                                 if isinstance(value, int)}
     return merged

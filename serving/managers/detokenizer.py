@@ -32,6 +32,7 @@ is what ``tokenizer.decode(ids, skip_special_tokens=...)`` gives.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,6 +233,7 @@ class DetokenizerManager(Actor):
         self.scheduler = scheduler
         self.states: dict[str, _Request] = {}
         self.unknown_rids = 0
+        self.boot = uuid.uuid4().hex  # this incarnation (see the scheduler's)
         self.ctx: Context | None = None
 
     async def on_start(self, ctx: Context) -> None:
@@ -244,7 +246,7 @@ class DetokenizerManager(Actor):
                 for rid in rids:
                     self.states.pop(rid, None)
             case DetokenizerInfoReq():
-                return {"requests": len(self.states), "unknown_rids": self.unknown_rids}
+                return {"requests": len(self.states), "unknown_rids": self.unknown_rids, "boot": self.boot}
             case BatchTokenIDOut():
                 outputs, hits = self.detokenize(msg)
                 for hit in hits:  # first, so the scheduler stops generating soonest

@@ -13,6 +13,7 @@ import atexit
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -119,6 +120,7 @@ class Scheduler(Actor):
     def __init__(self, config: SchedulerConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.runner = runner
+        self.boot = uuid.uuid4().hex  # this incarnation: a watcher elsewhere sees a restart by it
         self.state: BatchState | None = None
         self._wakeup = trio.Event()
         self._pending: list[Output] = []  # ends decided between steps, sent with the next batch
@@ -252,6 +254,7 @@ class Scheduler(Actor):
     def info(self) -> dict[str, Any]:
         state, kv = self.state, self.runner.kv
         return {
+            "boot": self.boot,
             "scheduler": msgspec.to_builtins(self.config),
             "device": str(self.runner.device),
             "max_context_len": self.runner.context_len,

@@ -66,6 +66,7 @@ from .messages import (
     AbortReq,
     AbortWhere,
     BatchStrOut,
+    DetokenizerInfoReq,
     FinishReason,
     ForgetRequests,
     GenerateReq,
@@ -84,6 +85,7 @@ log = logging.getLogger(__name__)
 # A request on probation is cleared once it has produced this many tokens (or ended): a
 # request that kills the scheduler at some position does so again within a few tokens of it.
 PROGRESS_TOKENS = 8
+REMOTE_PROBE_S = 0.5  # how often a remote replica is asked how it is
 
 
 @dataclass
@@ -173,6 +175,7 @@ class TokenizerManager(Actor):
                  detokenizer: str | Sequence[str] | None = None, worker: int = 0,
                  watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
                  quarantine_after: int = 2, request_timeout: float | None = None, router: Router | None = None,
+                 remote_timeout: float | None = None,
                  on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
         """``scheduler`` / ``detokenizer``: the address of each replica's (one, or a list)."""
@@ -213,11 +216,18 @@ class TokenizerManager(Actor):
         self._trial: trio.CancelScope | None = None  # the wait for the request on trial to progress
         self._no_probation = trio.Event()
         self._no_probation.set()
+        # replicas started elsewhere (``process: remote``): watched here, ``on_remote(replica, up, cause)``
+        # told what was seen; one that answers nothing for ``remote_timeout`` s, or restarted, is down
+        self.remote: set[int] = set()
+        self.on_remote: Callable[[int, bool, str], None] | None = None
+        self.remote_timeout = watchdog_timeout if remote_timeout is None else remote_timeout
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
         for watchdog in self.watchdogs:
             await ctx.nursery.start(watchdog.run)
+        for replica in sorted(self.remote):
+            ctx.nursery.start_soon(self._watch_remote, replica)
         if self.request_timeout is not None:
             ctx.nursery.start_soon(self._end_unheard, self.request_timeout)
 
@@ -249,6 +259,31 @@ class TokenizerManager(Actor):
         for i, watchdog in enumerate(self.watchdogs):
             if replica is None or i == replica:
                 watchdog.feed()
+
+    async def _watch_remote(self, replica: int) -> None:
+        """Ask a remote replica's scheduler and detokenizer how they are, every ``REMOTE_PROBE_S``:
+        up while both answer (within ``remote_timeout``) from the same processes as before."""
+        boots: tuple[str, str] | None = None
+        while True:
+            try:
+                with trio.fail_after(self.remote_timeout):
+                    scheduler = await self.ctx.call(self.schedulers[replica], ServerInfoReq(),
+                                                    timeout=self.remote_timeout)
+                    detokenizer = await self.ctx.call(self.detokenizers[replica], DetokenizerInfoReq(),
+                                                      timeout=self.remote_timeout)
+                seen = (scheduler["boot"], detokenizer["boot"])
+            except (CallError, trio.TooSlowError) as exc:
+                seen = None
+                cause = f"replica {replica} does not answer in {self.remote_timeout:g} s: {exc}"
+            if self.on_remote is not None:
+                if seen is None:
+                    self.on_remote(replica, False, cause)
+                else:
+                    if boots is not None and seen != boots:  # restarted between two looks: what it ran is lost
+                        self.on_remote(replica, False, f"replica {replica} restarted")
+                    self.on_remote(replica, True, "")
+                    boots = seen
+            await trio.sleep(REMOTE_PROBE_S)
 
     # -- outputs from the detokenizer --------------------------------------------------
 

@@ -41,9 +41,9 @@ from ..managers.scheduler import Scheduler, SchedulerConfig
 from ..managers.tokenizer_manager import TokenizerManager
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
 from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
-from .topology import ReplicaPlacement, Topology, make_tokenizer_manager, tokenizer_source
+from .topology import ReplicaPlacement, Topology, TopologyError, make_tokenizer_manager, tokenizer_source
 
-__all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised"]
+__all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised", "run_replica"]
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +51,32 @@ S = TypeVar("S", bound="Supervised")
 
 
 def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any, tokenizer: Any,
-               weights: Callable[[], str | None], placement: ReplicaPlacement | None = None) -> list[ChildSpec]:
+               weights: Callable[[], str | None], placement: ReplicaPlacement | None = None,
+               binds: dict[str, str] | None = None) -> list[ChildSpec]:
     """The scheduler and the detokenizer, in start order; ``workers``: the mailboxes
     of the tokenizer managers the detokenizer sends to; ``weights()``: what each
-    start of the scheduler loads (the weights an update made current); ``placement``
-    and ``addresses``: of one replica (default: the topology's only one)."""
+    start of the scheduler loads (the weights an update made current); ``placement``,
+    ``addresses`` (where they are reached) and ``binds`` (where they listen, default
+    the same): of one replica (default: the topology's only one). A remote placement
+    runs here as a child process (``tercet replica`` starts it so)."""
     grace = topology.supervision.shutdown_grace
     base = topology.scheduler_config(addresses["detokenizer"])
     placement = placement or topology.replica_placements()[0]
     sched, detok = placement.scheduler, placement.detokenizer
+    binds = binds or addresses
 
     def config() -> SchedulerConfig:
         return msgspec.structs.replace(base, model=weights())
 
-    if sched.process == "child":
+    if sched.process in ("child", "remote"):
         scheduler = lambda: ProcessChild(  # noqa: E731
             sched.target or "serving.managers.scheduler:scheduler_child",
-            {"address": addresses["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
+            {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
             name="scheduler", kill_after=grace, hub=hub.options)
     else:
         scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
-    if detok.process == "child":
-        args = {"address": addresses["detokenizer"], "tokenizer": tokenizer_source(topology.model),
+    if detok.process in ("child", "remote"):
+        args = {"address": binds["detokenizer"], "tokenizer": tokenizer_source(topology.model),
                 "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
         detokenizer = lambda: ProcessChild(  # noqa: E731
             detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
@@ -172,10 +176,12 @@ class LocalRuntime(Supervised):
         self._nursery = nursery
         self.replicas: ReplicaSet | None = None
         grace = topology.supervision.shutdown_grace
+        bind = topology.actors.tokenizer.bind
         tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
-            self._tm.build, self.addresses["tokenizer"], hub), shutdown=grace)
+            self._tm.build, self.addresses["tokenizer"], hub,
+            bind=bind and bind.replace("{runtime_dir}", str(runtime_dir))), shutdown=grace)
         workers = [self.addresses["tokenizer"]]
-        if topology.scheduler.replicas == 1:
+        if not topology.replicated:
             replicas = None
             specs = core_specs(topology, self.addresses, workers, hub, tokenizer, lambda: self.weights)
         else:
@@ -198,6 +204,8 @@ class LocalRuntime(Supervised):
                                     on_stall=self.kill_scheduler)
         if isinstance(self.status, ReplicaStatus):  # a restarted tokenizer manager: as things stand
             tm.up = [i in self.status.serving for i in range(len(tm.up))]
+            tm.remote = set(self.status.remote)
+            tm.on_remote = self.status.remote_seen
         return tm
 
     @property
@@ -207,6 +215,9 @@ class LocalRuntime(Supervised):
     def kill_scheduler(self, reason: BaseException, replica: int = 0) -> None:
         if self.replicas is None:
             super().kill_scheduler(reason)
+            return
+        if replica in self.status.remote:  # not ours to kill: its own watchdogs restart it; its requests move
+            self.status.mark_down(replica, f"replica {replica} stalled: {reason!r}", cache_lost=True)
             return
         supervisor = self.replicas.supervisors[replica]
         if supervisor is None or "detokenizer" not in supervisor.running():
@@ -272,6 +283,30 @@ class LocalRuntime(Supervised):
         if self._tm.started:
             count = self._tm.current.fail_all(f"the server failed: {failure}")
             log.critical("runtime failed (%r); ended %d requests in flight", failure, count)
+
+
+async def run_replica(topology: Topology, index: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """``tercet replica``: replica ``index`` of ``topology`` here — its scheduler and detokenizer in
+    child processes, bound where its placements say, sending outputs to the front end's tokenizer
+    address — under a supervisor with the topology's supervision. Runs until cancelled; past the
+    restart intensity it raises (the pod, or Ray, starts it again)."""
+    placements = topology.replica_placements()
+    if not 0 <= index < len(placements):
+        raise TopologyError(f"--index {index}: the topology has replicas 0..{len(placements) - 1}")
+    with tempfile.TemporaryDirectory(prefix="tercet-replica-") as runtime_dir:
+        where = Path(runtime_dir)
+        addresses = topology.replica_addresses(where)[index]
+        binds = topology.replica_addresses(where, bind=True)[index]
+        workers = [topology.addresses(where)["tokenizer"]]
+        async with open_hub(topology.hub_options()) as hub:
+            specs = core_specs(topology, addresses, workers, hub, None, lambda: topology.model.path,
+                               placements[index], binds)
+            supervisor = make_supervisor(topology, specs, lambda event: None, f"replica-{index}")
+            try:
+                await supervisor.run(task_status=task_status)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await supervisor.stop()
 
 
 @asynccontextmanager

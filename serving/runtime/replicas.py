@@ -47,12 +47,13 @@ class ReplicaSet:
                  make_supervisor: Callable[[str, list[ChildSpec]], Supervisor]) -> None:
         self.addresses = topology.replica_addresses(runtime_dir)
         self.supervisors: list[Supervisor | None] = [None] * len(self.addresses)
+        self.remote = {i for i, r in enumerate(topology.replica_placements()) if r.scheduler.process == "remote"}
         self._make_specs = make_specs
         self._make_supervisor = make_supervisor
         grace = topology.supervision.shutdown_grace
-        # a replica's supervisor stops its two children one after the other
+        # a replica's supervisor stops its two children one after the other; remote ones are not ours
         self.specs = [ChildSpec(f"replica-{i}", self._starter(i), restart=Restart.TEMPORARY, shutdown=2 * grace + 1)
-                      for i in range(len(self.addresses))]
+                      for i in range(len(self.addresses)) if i not in self.remote]
 
     def _starter(self, index: int) -> Callable[[], Supervisor]:
         def start() -> Supervisor:
@@ -85,7 +86,8 @@ class ReplicaStatus(StatusTracker):
         n = len(replicas.addresses)
         self.pool = set(range(n))  # not gone
         self.serving: set[int] = set()  # in the pool, with both parts running
-        self._down: set[int] = set()  # lost their requests, not back yet
+        self.remote = set(replicas.remote)  # started elsewhere: up while they answer (``remote_seen``)
+        self._down: set[int] = set(self.remote)  # lost their requests, not back yet (remote: not seen yet)
         self._restarts_seen: dict[str, int] = {}
         self._up = trio.Event()  # nothing serves until the replicas start
 
@@ -141,6 +143,15 @@ class ReplicaStatus(StatusTracker):
                     self._down.discard(replica)
                     self.on_change("up", replica, "", False)
 
+    def remote_seen(self, replica: int, up: bool, cause: str = "") -> None:
+        """What watching a remote replica found: it answers (``up``), or not (``cause``)."""
+        if up and replica in self._down and replica in self.pool:
+            self._down.discard(replica)
+            self._serving(replica, True)
+            self.on_change("up", replica, "", False)
+        elif not up:
+            self.mark_down(replica, cause, cache_lost=True)
+
     def mark_down(self, replica: int, cause: str, *, cache_lost: bool) -> None:
         """``replica`` lost its requests (from its first crash, or once it is being killed)."""
         self._serving(replica, False)
@@ -156,3 +167,4 @@ class ReplicaStatus(StatusTracker):
             self.serving.discard(replica)
             if not self.serving and self._up.is_set():
                 self._up = trio.Event()
+

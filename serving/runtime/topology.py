@@ -99,6 +99,7 @@ class SupervisionSection(msgspec.Struct, forbid_unknown_fields=True):
 class WatchdogSection(msgspec.Struct, forbid_unknown_fields=True):
     step_timeout: float = 120.0  # one model step
     output_timeout: float = 300.0  # no output while requests are in flight (soft watchdog)
+    remote_timeout: float = 10.0  # a remote replica that answers nothing for this long is down
 
 
 class CurveSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -118,8 +119,11 @@ class TransportSection(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Placement(msgspec.Struct, forbid_unknown_fields=True):
-    address: str
-    process: Literal["main", "child"] = "main"
+    address: str  # where the others reach it
+    # main: this process; child: a child process of it; remote (replicas only): started elsewhere
+    # (``tercet replica``, a Kubernetes pod, Ray), the front end only connects to it and watches it
+    process: Literal["main", "child", "remote"] = "main"
+    bind: str | None = None  # where it listens when that is not ``address`` (e.g. tcp://0.0.0.0:PORT in a pod)
     target: str | None = None  # a child process's factory "module:function" (custom or test actors)
     args: dict[str, Any] = {}  # extra keyword arguments for ``target``
 
@@ -173,6 +177,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
              "must be > 0 (or null: off)"),
             (self.server.max_loop_lag > 0, "server.max_loop_lag", "must be > 0"),
             (self.watchdogs.step_timeout > 0, "watchdogs.step_timeout", "must be > 0"),
+            (self.watchdogs.remote_timeout > 0, "watchdogs.remote_timeout", "must be > 0"),
         ]
         for ok, where, what in problems:
             if not ok:
@@ -188,9 +193,13 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             placements += [(f"actors.replicas.{i}.scheduler", replica.scheduler),
                            (f"actors.replicas.{i}.detokenizer", replica.detokenizer)]
         for where, placement in placements:
-            if not re.fullmatch(r"(inproc|ipc|tcp)://.+", placement.address):
-                raise TopologyError(f"{where}.address: {placement.address!r} is not "
-                                    "inproc://NAME, ipc:///PATH or tcp://HOST:PORT")
+            for field, value in (("address", placement.address), ("bind", placement.bind)):
+                if value is not None and not re.fullmatch(r"(inproc|ipc|tcp)://.+", value):
+                    raise TopologyError(f"{where}.{field}: {value!r} is not "
+                                        "inproc://NAME, ipc:///PATH or tcp://HOST:PORT")
+            if placement.process == "remote" and not (where.startswith("actors.replicas.")
+                                                      and placement.address.startswith("tcp://")):
+                raise TopologyError(f"{where}.process: remote placements are replicas' (actors.replicas), over tcp://")
             if placement.process == "child" and placement.address.startswith("inproc://"):
                 raise TopologyError(f"{where}: a child process cannot be reached over inproc://")
             if placement.address.startswith("tcp://") and not _loopback(placement.address, where) \
@@ -212,15 +221,23 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         n, listed = self.scheduler.replicas, self.actors.replicas
         if listed is not None and len(listed) != n:
             raise TopologyError(f"actors.replicas: {len(listed)} placements for scheduler.replicas: {n}")
-        if n == 1:
+        for i, replica in enumerate(listed or []):
+            if (replica.scheduler.process == "remote") != (replica.detokenizer.process == "remote"):
+                raise TopologyError(f"actors.replicas.{i}: its scheduler and detokenizer run together (both remote "
+                                    "or neither)")
+        if not self.replicated:
             return
         if listed is None:
             for name in ("scheduler", "detokenizer"):
                 if getattr(self.actors, name).address.startswith("tcp://"):
                     raise TopologyError(f"actors.{name}.address: with scheduler.replicas > 1 over tcp:// give each "
                                         "replica's addresses in actors.replicas")
+        remote = any(r.scheduler.process == "remote" for r in self.replica_placements())
+        if remote and self.transport.curve is not None and self.transport.curve.generate:
+            raise TopologyError("transport.curve.generate: replicas started elsewhere cannot share keys made at "
+                                "start; give the key files (secret_file, server_public_file, authorized_dir)")
         if self.server.workers > 1:
-            raise TopologyError("scheduler.replicas: replicas with server.workers > 1 are not supported yet; "
+            raise TopologyError("scheduler.replicas: replica sets with server.workers > 1 are not supported yet; "
                                 "use one tokenizer worker")
         addresses = [a for r in self.replica_addresses(Path("/")) for a in r.values()]
         if len(set(addresses)) != len(addresses):
@@ -259,10 +276,16 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         return [ReplicaPlacement(msgspec.structs.replace(sched, address=f"{sched.address}-{i}"),
                                  msgspec.structs.replace(detok, address=f"{detok.address}-{i}")) for i in range(n)]
 
-    def replica_addresses(self, runtime_dir: Path) -> list[dict[str, str]]:
-        """Each replica's ``{"scheduler": ..., "detokenizer": ...}``, ``{runtime_dir}`` filled in."""
-        return [{"scheduler": r.scheduler.address.replace("{runtime_dir}", str(runtime_dir)),
-                 "detokenizer": r.detokenizer.address.replace("{runtime_dir}", str(runtime_dir))}
+    @property
+    def replicated(self) -> bool:
+        """Served by a replica set (several replicas, or any started elsewhere), not one scheduler."""
+        return self.scheduler.replicas > 1 or any(r.scheduler.process == "remote" for r in self.replica_placements())
+
+    def replica_addresses(self, runtime_dir: Path, *, bind: bool = False) -> list[dict[str, str]]:
+        """Each replica's ``{"scheduler": ..., "detokenizer": ...}``, ``{runtime_dir}`` filled in
+        (``bind``: where each listens, its ``bind`` where given)."""
+        return [{name: ((getattr(r, name).bind if bind else None) or getattr(r, name).address)
+                 .replace("{runtime_dir}", str(runtime_dir)) for name in ("scheduler", "detokenizer")}
                 for r in self.replica_placements()]
 
     def worker_addresses(self, runtime_dir: Path) -> list[str]:
@@ -396,7 +419,8 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
     replicas = replicas or [addresses]
     return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
                             detokenizer=[r["detokenizer"] for r in replicas],
-                            router=Router(len(replicas), topology.router), worker=worker, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
+                            router=Router(len(replicas), topology.router), worker=worker,
+                            remote_timeout=topology.watchdogs.remote_timeout, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
                             quarantine_after=topology.supervision.quarantine_after,
                             request_timeout=server.request_timeout,
                             on_stall=on_stall, on_status=on_status)

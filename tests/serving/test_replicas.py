@@ -66,7 +66,7 @@ def test_replica_addresses_are_numbered_and_bad_replica_topologies_name_the_fiel
         load_topology("tcp", {"scheduler.replicas": 2})
     with pytest.raises(TopologyError, match=r"scheduler.replicas: must be in 1..64"):
         load_topology("default", {"scheduler.replicas": 0})
-    with pytest.raises(TopologyError, match=r"scheduler.replicas: replicas with server.workers > 1"):
+    with pytest.raises(TopologyError, match=r"scheduler.replicas: replica sets with server.workers > 1"):
         load_topology("multi-worker", {"scheduler.replicas": 2})
     with pytest.raises(TopologyError, match=r"router.policy"):
         load_topology("default", {"router.policy": "random"})
@@ -80,6 +80,23 @@ def test_replica_addresses_are_numbered_and_bad_replica_topologies_name_the_fiel
     with pytest.raises(TopologyError, match=r"actors.replicas.1.scheduler.address: tcp://10.0.0.5:7001 is not a "
                                             r"loopback address"):
         load_topology("tcp", {"scheduler.replicas": 2, "actors.replicas": [one, remote]})
+
+
+def test_remote_placements_are_checked():
+    remote = {"scheduler": {"process": "remote", "address": "tcp://127.0.0.1:7001", "bind": "tcp://127.0.0.1:7001"},
+              "detokenizer": {"process": "remote", "address": "tcp://127.0.0.1:7002"}}
+    topology = load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote]})
+    assert topology.replicated  # one replica, but started elsewhere: watched, not supervised here
+    with pytest.raises(TopologyError, match=r"actors.scheduler.process: remote placements are replicas'"):
+        load_topology("tcp", {"actors.scheduler": {"process": "remote", "address": "tcp://127.0.0.1:7001"}})
+    half = {**remote, "detokenizer": {"process": "child", "address": "tcp://127.0.0.1:7002"}}
+    with pytest.raises(TopologyError, match=r"actors.replicas.0: its scheduler and detokenizer run together"):
+        load_topology("tcp", {"actors.replicas": [half]})
+    with pytest.raises(TopologyError, match=r"actors.replicas.0.scheduler.bind: '0.0.0.0:7001' is not"):
+        load_topology("tcp", {"actors.replicas": [{**remote, "scheduler": {**remote["scheduler"],
+                                                                             "bind": "0.0.0.0:7001"}}]})
+    with pytest.raises(TopologyError, match=r"transport.curve.generate: replicas started elsewhere"):
+        load_topology("tcp", {"actors.replicas": [remote], "transport.curve": {"generate": True}})
 
 
 def test_dp_size_sets_the_replicas():
@@ -227,3 +244,87 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
             r = await client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
             assert r.status_code == 200, r.text
         assert tm.router.routed[1] == routed + 1
+
+
+# -- replicas started elsewhere (process: remote), as Kubernetes or Ray would ------------------
+
+
+def remote_topology(tmp_path, ports):
+    """Two remote replicas and the front end's mailbox, over tcp on loopback (the YAML file)."""
+    import yaml
+
+    def at(port):
+        return {"process": "remote", "address": f"tcp://127.0.0.1:{port}"}
+
+    data = {"model": {"path": "tiny", "dtype": "float32"},
+            "scheduler": {"replicas": 2},
+            "router": {"policy": "round_robin"},
+            "supervision": {"max_restarts": 20, "quarantine_after": 1000},
+            "watchdogs": {"remote_timeout": 2.0},
+            "actors": {"tokenizer": {"process": "main", "address": f"tcp://127.0.0.1:{ports[0]}"},
+                       "replicas": [{"scheduler": at(ports[1]), "detokenizer": at(ports[2])},
+                                    {"scheduler": at(ports[3]), "detokenizer": at(ports[4])}]}}
+    path = tmp_path / "remote.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+async def start_replica(nursery, config, index):
+    """``tercet replica`` in a session of its own (a kill of its group takes its children too)."""
+    import sys
+
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "serving.cli", "replica", "--config", str(config), "--index", str(index),
+         "--log-level", "warning"], start_new_session=True)
+
+    async def reap():
+        try:
+            await process.wait()
+        finally:
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+
+    nursery.start_soon(reap)
+    return process
+
+
+@pytest.mark.slow
+async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery, baseline, tmp_path):
+    """Two ``tercet replica`` processes, the front end connecting to them over tcp: requests are
+    served by both; one killed (its whole process group) mid-stream has its requests finished by
+    the other with the fault-free text; started again, it rejoins and takes requests."""
+    from ..conftest import free_tcp_port
+
+    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(5)])
+    bodies = requests_for(24, n=8)
+    expected = baseline(bodies)
+    replicas = [await start_replica(nursery, config, i) for i in range(2)]
+    url, app = await start_server(nursery, str(config))  # waits until a replica answers
+    tm = app.state.server.runtime.tokenizer_manager
+    status = app.state.server.runtime.status
+    assert tm.remote == {0, 1} and app.state.server.runtime.replicas.specs == []  # none started here
+
+    async def kill(app, client):
+        os.killpg(replicas[1].pid, signal.SIGKILL)
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        with trio.fail_after(120):
+            while tm.up != [True, True]:
+                await trio.sleep(0.05)
+        texts, info = await stream_and_strike(app, client, bodies, kill)
+        assert texts == expected and tm.migrated > 0 and tm.up == [True, False]
+        assert (await client.get("/health")).text == "OK: 1 of 2 replicas serving"
+        replicas[1] = await start_replica(nursery, config, 1)
+        with trio.fail_after(120):
+            while not tm.up[1]:
+                await trio.sleep(0.05)
+        assert 1 in status.serving
+        routed = tm.router.routed[1]
+        for _ in range(2):
+            r = await client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200, r.text
+        assert tm.router.routed[1] == routed + 1
+    for process in replicas:
+        process.send_signal(signal.SIGTERM)
