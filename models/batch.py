@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from .attention import AttentionPlan, PrefillChunk, decode_gather_plan
+from .attention import AttentionPlan, PrefillChunk, decode_buckets
 from .errors import InvalidBatch
 from .kv_cache import pages_for
 from .split_attention import SplitPlan, split_group
@@ -37,11 +37,12 @@ class Batch:
 
 def build_batch(
     seqs: Sequence[_Seq], page_size: int, device, use_triton: bool,
-    split: int | None = None, row_tile: int | None = None,
+    split: int | None = None, row_tile: int | None = None, *, kv_heads: int,
 ) -> Batch:
     """`seqs` must list single-token (decode) sequences first.
 
-    `split` and `row_tile` turn on the deterministic mode (see runner.py).
+    `split` and `row_tile` turn on the deterministic mode (see runner.py);
+    `kv_heads` is the model's, for the torch decode path's gather indices.
     """
     for s in seqs:
         _check(s, page_size)
@@ -60,10 +61,10 @@ def build_batch(
         row = chunk.end
     table, context_lens = table.to(device), context_lens.to(device)
     fast = split is None and not use_triton
-    gather = decode_gather_plan(table, context_lens, page_size) if decode and fast else None
+    buckets = decode_buckets(table, context_lens, page_size, kv_heads) if decode and fast else None
     plan = AttentionPlan(
         slots=torch.cat(slot_parts).to(device), num_decode=num_decode, page_table=table,
-        context_lens=context_lens, page_size=page_size, decode_gather=gather,
+        context_lens=context_lens, page_size=page_size, decode_buckets=buckets,
         prefills=chunks, use_triton=use_triton, row_tile=row_tile,
     )
     if split is not None:

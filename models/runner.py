@@ -180,7 +180,7 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
         batch = build_batch(
             [seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton,
-            self.split, self.row_tile,
+            self.split, self.row_tile, kv_heads=self.model.num_kv_heads,
         )
         if self.model.upcast:
             batch.plan.compute_dtype = torch.float32
