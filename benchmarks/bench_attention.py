@@ -1,0 +1,108 @@
+"""Decode attention on CPU: the padded gather (before) vs the bucketed path (models.attention).
+
+    python -m benchmarks.bench_attention [--smoke] [--json PATH] [--batches 32,64] [--page-size N]
+
+One "step" is what the runner does for its decode rows: build the step's
+gather plan once, then attend once per layer, over a paged cache with
+shuffled pages and SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64,
+30 layers, bf16). Contexts are all equal (`equal`) or uniform in
+`--spread` (`mixed`). The two paths alternate within each round, so a
+noisy neighbour slows both; the table gives the median of `--rounds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from models.attention import bucketed_decode_attention, decode_buckets, decode_gather_plan, gathered_decode_attention
+from models.kv_cache import pages_for
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+
+
+def make_step(batch: int, contexts: list[int], page_size: int, generator):
+    widths = [pages_for(n, page_size) for n in contexts]
+    pages = torch.randperm(sum(widths), generator=generator).tolist()
+    table = torch.zeros(batch, max(widths), dtype=torch.int32)
+    for i, w in enumerate(widths):
+        table[i, :w] = torch.tensor(pages[:w])
+        pages = pages[w:]
+    shape = (sum(widths) * page_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).bfloat16()
+    v_cache = torch.randn(shape, generator=generator).bfloat16()
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).bfloat16()
+    return q, k_cache, v_cache, table, torch.tensor(contexts, dtype=torch.int32)
+
+
+def padded_step(q, k_cache, v_cache, table, lens, page_size, layers):
+    rows, valid = decode_gather_plan(table, lens, page_size)
+    for _ in range(layers):
+        out = gathered_decode_attention(q, k_cache, v_cache, rows, valid, HEAD_DIM**-0.5)
+    return out
+
+
+def bucketed_step(q, k_cache, v_cache, table, lens, page_size, layers):
+    buckets = decode_buckets(table, lens, page_size, KV_HEADS)
+    for _ in range(layers):
+        out = bucketed_decode_attention(q, k_cache, v_cache, buckets, HEAD_DIM**-0.5)
+    return out
+
+
+def median_ms(args, batch: int, contexts: list[int], generator) -> tuple[float, float, float]:
+    """Median step ms of the padded and the bucketed path, and the largest difference of their outputs."""
+    step = make_step(batch, contexts, args.page_size, generator)
+    paths = {"padded": padded_step, "bucketed": bucketed_step}
+    times = {name: [] for name in paths}
+    for name, path in paths.items():  # warm up
+        path(*step, args.page_size, 1)
+    for _ in range(args.rounds):
+        for name, path in paths.items():
+            start = time.perf_counter()
+            path(*step, args.page_size, args.layers)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    diff = (padded_step(*step, args.page_size, 1).float() - bucketed_step(*step, args.page_size, 1).float()).abs().max()
+    return statistics.median(times["padded"]), statistics.median(times["bucketed"]), diff.item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="small shapes, a few seconds")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--batches", default="32,64")
+    parser.add_argument("--equal", type=int, default=140, help="the context of every row in `equal`")
+    parser.add_argument("--spread", default="128-400", help="the context range of `mixed`")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.batches, args.equal, args.spread, args.rounds, args.layers = "4", 20, "1-40", 2, 2
+    low, high = (int(n) for n in args.spread.split("-"))
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'batch':>5} {'contexts':>9} {'padded ms':>10} {'bucketed ms':>12} {'speedup':>8}", file=sys.stderr)
+    for batch in (int(b) for b in args.batches.split(",")):
+        spreads = {"equal": [args.equal] * batch,
+                   "mixed": torch.randint(low, high + 1, (batch,), generator=generator).tolist()}
+        for kind, contexts in spreads.items():
+            padded, bucketed, diff = median_ms(args, batch, contexts, generator)
+            rows.append({"batch": batch, "contexts": kind, "padded_ms": round(padded, 2),
+                         "bucketed_ms": round(bucketed, 2), "speedup": round(padded / bucketed, 2),
+                         "max_abs_diff": diff})
+            print(f"{batch:>5} {kind:>9} {padded:>10.2f} {bucketed:>12.2f} {padded / bucketed:>8.2f}", file=sys.stderr)
+    result = {"rows": rows, "page_size": args.page_size, "rounds": args.rounds, "layers": args.layers,
+              "spread": args.spread, "equal": args.equal, "threads": torch.get_num_threads()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_attention_smoke_writes_its_json(tmp_path):
+    out = tmp_path / "attention.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_attention", "--smoke", "--page-size", "4", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(row["batch"], row["contexts"]) for row in result["rows"]] == [(4, "equal"), (4, "mixed")]
+    for row in result["rows"]:
+        assert row["padded_ms"] > 0 and row["bucketed_ms"] > 0 and row["speedup"] > 0
+        assert row["max_abs_diff"] < 2e-2  # bf16 rounding, not another result
+    assert result["page_size"] == 4 and "speedup" in run.stderr
