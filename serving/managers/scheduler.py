@@ -63,11 +63,14 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     enable_prefix_cache: bool = True
     deterministic: bool = False  # batch-invariant kernels: the same logits whatever else runs
     step_timeout: float = 120.0
+    threads: int | None = None  # torch's intra-op threads in this scheduler; None: torch's default
     detokenizer: str = "inproc://detokenizer"
     tokenizer: str | None = None  # for constrained decoding; None: the embedded SmolLM2's
 
 
 def build_runner(config: SchedulerConfig) -> ModelRunner:
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     loaded = tiny_model() if config.model == "tiny" else load_model(config.model)
     return ModelRunner(loaded, dtype=getattr(torch, config.dtype), device=resolve_device(config.device),
                        page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,

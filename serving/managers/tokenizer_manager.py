@@ -220,6 +220,7 @@ class TokenizerManager(Actor):
         # told what was seen; one that answers nothing for ``remote_timeout`` s, or restarted, is down
         self.remote: set[int] = set()
         self.on_remote: Callable[[int, bool, str], None] | None = None
+        self._stalled_remote: set[int] = set()
         self.remote_timeout = watchdog_timeout if remote_timeout is None else remote_timeout
 
     async def on_start(self, ctx: Context) -> None:
@@ -251,6 +252,8 @@ class TokenizerManager(Actor):
     def _stalled(self, replica: int, report: WatchdogTimeout) -> None:
         log.error("no output for %g s with %d requests in flight%s", report.timeout, self.router.load[replica],
                   f" on replica {replica}" if len(self.schedulers) > 1 else "")
+        if replica in self.remote:  # it may still answer questions: it is not taken back until it restarted
+            self._stalled_remote.add(replica)
         if self.on_stall is not None:
             self.on_stall(report, replica)
 
@@ -281,7 +284,9 @@ class TokenizerManager(Actor):
                 else:
                     if boots is not None and seen != boots:  # restarted between two looks: what it ran is lost
                         self.on_remote(replica, False, f"replica {replica} restarted")
-                    self.on_remote(replica, True, "")
+                        self._stalled_remote.discard(replica)
+                    if replica not in self._stalled_remote:  # one that stalled: back once it restarted
+                        self.on_remote(replica, True, "")
                     boots = seen
             await trio.sleep(REMOTE_PROBE_S)
 

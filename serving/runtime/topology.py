@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import torch
 import yaml
 
 from actors import WatchdogTimeout
@@ -84,6 +85,9 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     # batch-invariant kernels (SGLang's --enable-deterministic-inference): a request's greedy output
     # is the same whatever else runs, and a resumed stream continues with exactly its text
     enable_deterministic_inference: bool = False
+    # torch threads per scheduler; default: torch's (one per core), divided among the replicas run on
+    # this host (two schedulers spinning two threads each on two cores run several times slower)
+    threads: int | None = None
 
 
 class SupervisionSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -161,6 +165,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.scheduler.chunked_prefill_size >= 1, "scheduler.chunked_prefill_size", "must be >= 1"),
             (1 <= self.scheduler.stream_interval <= 1024, "scheduler.stream_interval", "must be in 1..1024"),
             (1 <= self.scheduler.replicas <= 64, "scheduler.replicas", "must be in 1..64"),
+            (self.scheduler.threads is None or 1 <= self.scheduler.threads <= 1024, "scheduler.threads",
+             "must be in 1..1024 (or null: by the cores)"),
             (0 <= self.router.cache_threshold <= 1, "router.cache_threshold", "must be in 0..1"),
             (self.router.balance_abs_threshold >= 0, "router.balance_abs_threshold", "must be >= 0"),
             (self.router.balance_rel_threshold >= 1, "router.balance_rel_threshold", "must be >= 1"),
@@ -298,6 +304,13 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             return [f"{host}:{int(port) + i}" if int(port) else address for i in range(self.server.workers)]
         return [f"{address}-{i}" for i in range(self.server.workers)]
 
+    def scheduler_threads(self) -> int | None:
+        """``scheduler.threads``, or the cores shared among the replicas started on this host."""
+        local = sum(r.scheduler.process != "remote" for r in self.replica_placements())
+        if self.scheduler.threads is not None or local <= 1:
+            return self.scheduler.threads
+        return max(1, torch.get_num_threads() // local)
+
     def scheduler_config(self, detokenizer: str) -> SchedulerConfig:
         s = self.scheduler
         return SchedulerConfig(
@@ -307,7 +320,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
             stream_interval=s.stream_interval, enable_prefix_cache=s.enable_prefix_cache,
             deterministic=s.enable_deterministic_inference,
-            step_timeout=self.watchdogs.step_timeout,
+            step_timeout=self.watchdogs.step_timeout, threads=self.scheduler_threads(),
             detokenizer=detokenizer, tokenizer=tokenizer_source(self.model),
         )
 
