@@ -25,7 +25,8 @@ from starlette.applications import Starlette
 from actors import ChildStartError
 
 from .http.app import build_app, hypercorn_config
-from .runtime.launch import open_runtime, run_replica
+from .runtime.launch import open_runtime
+from .runtime.replicas import run_replica
 from .runtime.topology import Topology, TopologyError, load_topology
 from .runtime.workers import open_worker_pool
 
@@ -58,6 +59,8 @@ OVERRIDES = {
     "tool_call_parser": "server.tool_call_parser",
     "dp_size": "scheduler.replicas",
     "router_policy": "router.policy",
+    "launcher": "server.launcher",
+    "ray_address": "server.ray_address",
 }
 
 
@@ -93,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
                          "and KV cache (scheduler.replicas)")
     serve_p.add_argument("--router-policy", choices=["cache_aware", "round_robin", "shortest_queue"],
                          help="which replica a request goes to (router.policy; default cache_aware)")
+    serve_p.add_argument("--launcher", choices=["local", "ray"], help="ray: start the remote replicas as actors "
+                         "on a Ray cluster (server.launcher; pip install tercet[ray])")
+    serve_p.add_argument("--ray-address", help="the Ray cluster (server.ray_address; default: auto)")
     serve_p.add_argument("--tool-call-parser", help="the format of tool calls: hermes (<tool_call> JSON blocks)")
     serve_p.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
                          help="batch-invariant kernels: greedy output independent of batching, prefix cache, "

@@ -27,71 +27,24 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
 import trio
 
-from actors import ActorChild, Backoff, CallError, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
-from actors.process import ProcessChild
+from actors import ActorChild, CallError, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
 from models.loading import load_tokenizer
 from transports import open_hub
 
-from ..managers.detokenizer import DetokenizerManager
 from ..managers.messages import UpdateWeightsReq
-from ..managers.scheduler import Scheduler, SchedulerConfig
 from ..managers.tokenizer_manager import TokenizerManager
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
 from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
-from .topology import ReplicaPlacement, Topology, TopologyError, make_tokenizer_manager, tokenizer_source
+from .specs import core_specs, make_supervisor
+from .topology import Topology, make_tokenizer_manager, tokenizer_source
 
-__all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised", "run_replica"]
+__all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised"]
 
 log = logging.getLogger(__name__)
 
 S = TypeVar("S", bound="Supervised")
-
-
-def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any, tokenizer: Any,
-               weights: Callable[[], str | None], placement: ReplicaPlacement | None = None,
-               binds: dict[str, str] | None = None) -> list[ChildSpec]:
-    """The scheduler and the detokenizer, in start order; ``workers``: the mailboxes
-    of the tokenizer managers the detokenizer sends to; ``weights()``: what each
-    start of the scheduler loads (the weights an update made current); ``placement``,
-    ``addresses`` (where they are reached) and ``binds`` (where they listen, default
-    the same): of one replica (default: the topology's only one). A remote placement
-    runs here as a child process (``tercet replica`` starts it so)."""
-    grace = topology.supervision.shutdown_grace
-    base = topology.scheduler_config(addresses["detokenizer"])
-    placement = placement or topology.replica_placements()[0]
-    sched, detok = placement.scheduler, placement.detokenizer
-    binds = binds or addresses
-
-    def config() -> SchedulerConfig:
-        return msgspec.structs.replace(base, model=weights())
-
-    if sched.process in ("child", "remote"):
-        scheduler = lambda: ProcessChild(  # noqa: E731
-            sched.target or "serving.managers.scheduler:scheduler_child",
-            {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
-            name="scheduler", kill_after=grace, hub=hub.options)
-    else:
-        scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
-    if detok.process in ("child", "remote"):
-        args = {"address": binds["detokenizer"], "tokenizer": tokenizer_source(topology.model),
-                "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
-        detokenizer = lambda: ProcessChild(  # noqa: E731
-            detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
-            kill_after=grace, hub=hub.options)
-    else:
-        detokenizer = lambda: ActorChild(  # noqa: E731
-            lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)
-    return [ChildSpec("scheduler", scheduler, shutdown=grace), ChildSpec("detokenizer", detokenizer, shutdown=grace)]
-
-
-def make_supervisor(topology: Topology, specs: list[ChildSpec],
-                    observer: Callable[[SupervisorEvent], None], name: str = "server") -> Supervisor:
-    s = topology.supervision
-    return Supervisor(name, specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
-                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
 
 
 class Supervised:
@@ -192,6 +145,10 @@ class LocalRuntime(Supervised):
                                                 placements[i]),
                 lambda name, specs: make_supervisor(topology, specs, self._on_event, name))
             replicas, specs = self.replicas.addresses, self.replicas.specs
+            if topology.server.launcher == "ray":
+                from .ray_launcher import ray_specs  # (Ray is imported only when it launches)
+
+                specs = [*specs, *ray_specs(topology, self._ray_started, self._ray_lost)]
         self._tm = TokenizerManagerSlot(lambda: self._new_tokenizer_manager(replicas))
         self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
         if self.replicas is None:
@@ -279,34 +236,22 @@ class LocalRuntime(Supervised):
         else:
             log.error("%s; %d replicas serve on", cause, len(self.status.pool))
 
+    def _ray_started(self, replica: int, addresses: dict[str, str]) -> None:
+        """A replica's Ray actor runs (again), there: it is watched at these addresses."""
+        current = self.replicas.addresses[replica]
+        moved = {part: addresses[part] for part in current if addresses[part] != current[part]}
+        current.update(moved)
+        if moved and self._tm.started:
+            tm = self._tm.current
+            tm.schedulers[replica], tm.detokenizers[replica] = current["scheduler"], current["detokenizer"]
+
+    def _ray_lost(self, replica: int, cause: str) -> None:
+        self.status.mark_down(replica, cause, cache_lost=True)
+
     def _failed(self, failure: BaseException) -> None:
         if self._tm.started:
             count = self._tm.current.fail_all(f"the server failed: {failure}")
             log.critical("runtime failed (%r); ended %d requests in flight", failure, count)
-
-
-async def run_replica(topology: Topology, index: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """``tercet replica``: replica ``index`` of ``topology`` here — its scheduler and detokenizer in
-    child processes, bound where its placements say, sending outputs to the front end's tokenizer
-    address — under a supervisor with the topology's supervision. Runs until cancelled; past the
-    restart intensity it raises (the pod, or Ray, starts it again)."""
-    placements = topology.replica_placements()
-    if not 0 <= index < len(placements):
-        raise TopologyError(f"--index {index}: the topology has replicas 0..{len(placements) - 1}")
-    with tempfile.TemporaryDirectory(prefix="tercet-replica-") as runtime_dir:
-        where = Path(runtime_dir)
-        addresses = topology.replica_addresses(where)[index]
-        binds = topology.replica_addresses(where, bind=True)[index]
-        workers = [topology.addresses(where)["tokenizer"]]
-        async with open_hub(topology.hub_options()) as hub:
-            specs = core_specs(topology, addresses, workers, hub, None, lambda: topology.model.path,
-                               placements[index], binds)
-            supervisor = make_supervisor(topology, specs, lambda event: None, f"replica-{index}")
-            try:
-                await supervisor.run(task_status=task_status)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await supervisor.stop()
 
 
 @asynccontextmanager

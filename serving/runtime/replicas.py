@@ -17,18 +17,21 @@ both run, and *gone* when it left the pool.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 
 from actors import ChildSpec, Restart, Supervisor, SupervisorEvent
+from transports import open_hub
 
 from .interface import StatusTracker
-from .topology import Topology
+from .specs import core_specs, make_supervisor
+from .topology import Topology, TopologyError
 
-__all__ = ["NoReplicaLeft", "ReplicaSet", "ReplicaStatus"]
+__all__ = ["NoReplicaLeft", "ReplicaSet", "ReplicaStatus", "run_replica"]
 
 PARTS = ("scheduler", "detokenizer")
 
@@ -168,3 +171,26 @@ class ReplicaStatus(StatusTracker):
             if not self.serving and self._up.is_set():
                 self._up = trio.Event()
 
+
+async def run_replica(topology: Topology, index: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """``tercet replica``: replica ``index`` of ``topology`` here — its scheduler and detokenizer in
+    child processes, bound where its placements say, sending outputs to the front end's tokenizer
+    address — under a supervisor with the topology's supervision. Runs until cancelled; past the
+    restart intensity it raises (the pod, or Ray, starts it again)."""
+    placements = topology.replica_placements()
+    if not 0 <= index < len(placements):
+        raise TopologyError(f"--index {index}: the topology has replicas 0..{len(placements) - 1}")
+    with tempfile.TemporaryDirectory(prefix="tercet-replica-") as runtime_dir:
+        where = Path(runtime_dir)
+        addresses = topology.replica_addresses(where)[index]
+        binds = topology.replica_addresses(where, bind=True)[index]
+        workers = [topology.addresses(where)["tokenizer"]]
+        async with open_hub(topology.hub_options()) as hub:
+            specs = core_specs(topology, addresses, workers, hub, None, lambda: topology.model.path,
+                               placements[index], binds)
+            supervisor = make_supervisor(topology, specs, lambda event: None, f"replica-{index}")
+            try:
+                await supervisor.run(task_status=task_status)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await supervisor.stop()

@@ -66,6 +66,10 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     weights_roots: list[str] = []
     weights_drain_timeout: float = 60.0  # requests in flight must finish within this, else 409
     tool_call_parser: Literal["hermes"] = "hermes"  # how tool calls are written and read (vLLM's names)
+    # who starts the remote replicas: someone else (local: `tercet replica` by hand, Kubernetes), or
+    # this server, as actors on a Ray cluster (ray; `pip install tercet[ray]`) at ray_address (None: auto)
+    launcher: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -128,6 +132,8 @@ class Placement(msgspec.Struct, forbid_unknown_fields=True):
     # (``tercet replica``, a Kubernetes pod, Ray), the front end only connects to it and watches it
     process: Literal["main", "child", "remote"] = "main"
     bind: str | None = None  # where it listens when that is not ``address`` (e.g. tcp://0.0.0.0:PORT in a pod)
+    # server.launcher ray, a remote replica's scheduler: the Ray resources its actor asks for (CPU, GPU, custom)
+    resources: dict[str, float] = {}
     target: str | None = None  # a child process's factory "module:function" (custom or test actors)
     args: dict[str, Any] = {}  # extra keyword arguments for ``target``
 
@@ -232,6 +238,9 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                 raise TopologyError(f"actors.replicas.{i}: its scheduler and detokenizer run together (both remote "
                                     "or neither)")
         if not self.replicated:
+            if self.server.launcher == "ray":
+                raise TopologyError("server.launcher: ray starts the remote replicas (process: remote in "
+                                    "actors.replicas); this topology has none")
             return
         if listed is None:
             for name in ("scheduler", "detokenizer"):
@@ -239,6 +248,9 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                     raise TopologyError(f"actors.{name}.address: with scheduler.replicas > 1 over tcp:// give each "
                                         "replica's addresses in actors.replicas")
         remote = any(r.scheduler.process == "remote" for r in self.replica_placements())
+        if self.server.launcher == "ray" and not remote:
+            raise TopologyError("server.launcher: ray starts the remote replicas (process: remote in actors.replicas); "
+                                "this topology has none")
         if remote and self.transport.curve is not None and self.transport.curve.generate:
             raise TopologyError("transport.curve.generate: replicas started elsewhere cannot share keys made at "
                                 "start; give the key files (secret_file, server_public_file, authorized_dir)")

@@ -48,7 +48,8 @@ from ..managers.messages import (
     WorkerStalled,
 )
 from .interface import StatusTracker
-from .launch import Supervised, core_specs, make_supervisor, open_supervised
+from .launch import Supervised, open_supervised
+from .specs import core_specs, make_supervisor
 from .topology import Topology
 
 __all__ = ["Coordinator", "OutputStalled", "StatusBroadcaster", "WorkerPool", "open_worker_pool"]

@@ -1,0 +1,166 @@
+"""Replicas placed on a Ray cluster (``server.launcher: ray``, ``tercet serve --launcher ray``).
+
+Ray is the placement and process layer only. For each replica with
+``process: remote`` the front end creates a Ray actor (``ReplicaActor``)
+asking for the resources its scheduler's placement names (``CPU``, ``GPU``,
+custom ones); the actor runs the replica there (``run_replica``: its
+scheduler and detokenizer in child processes of the actor's worker, which
+exit when it dies) and says where they listen (``{node_ip}`` in an address
+is the node's). Ray restarts an actor whose process or node died, on any
+node with the resources.
+
+tercet's transports stay the data plane (no Ray object store on the token
+path) and tercet's supervision the authority: ``RayReplica``, a supervisor
+child per replica in the front end, starts the actor, reports its death at
+once (the replica is down: its requests move to the others) and the
+addresses of each new incarnation (watched as any remote replica, it
+rejoins when it answers). Only this module imports Ray, and only a
+topology with ``server.launcher: ray`` imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+import trio
+from ray.exceptions import RayActorError
+
+from actors import ChildSpec
+
+from .replicas import run_replica
+from .topology import Topology
+
+__all__ = ["RayReplica", "ReplicaActor", "ray_specs"]
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # between two tries to start a replica whose actor Ray is restarting
+
+
+class ReplicaActor:
+    """One replica in a Ray actor's process: ``start`` runs it (in a thread of its own, with its
+    own trio loop) and returns its addresses, ``wait`` returns when it ended (why), ``stop``
+    ends it."""
+
+    def __init__(self, topology: dict[str, Any], index: int) -> None:
+        ip = ray.util.get_node_ip_address()
+        self.topology = msgspec.convert(_fill(topology, "{node_ip}", ip), Topology)
+        self.index = index
+        self._started = threading.Event()
+        self._ended = threading.Event()
+        self._error: str | None = None
+        self._stop: Callable[[], None] | None = None
+
+    def start(self) -> dict[str, str]:
+        if not self._started.is_set():
+            threading.Thread(target=self._run, name=f"replica-{self.index}", daemon=True).start()
+            self._started.wait()
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        where = self.topology.replica_addresses(_NO_DIR)[self.index]
+        return {**where, "node": ray.get_runtime_context().get_node_id()}
+
+    def wait(self) -> str | None:
+        self._ended.wait()
+        return self._error
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+        self._ended.wait(60)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            token = trio.lowlevel.current_trio_token()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_replica, self.topology, self.index)
+                self._stop = lambda: token.run_sync_soon(nursery.cancel_scope.cancel)
+                self._started.set()
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # noqa: BLE001 - past its restart intensity, or it could not start
+            self._error = f"replica {self.index} ended: {exc!r}"
+        finally:
+            self._started.set()
+            self._ended.set()
+
+
+_NO_DIR = Path("/nonexistent")  # remote addresses are tcp://: no {runtime_dir} in them
+
+
+def _fill(value: Any, placeholder: str, text: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(placeholder, text)
+    if isinstance(value, dict):
+        return {k: _fill(v, placeholder, text) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, placeholder, text) for v in value]
+    return value
+
+
+class RayReplica:
+    """A supervisor child in the front end: replica ``index`` as a Ray actor, kept running.
+    ``on_started(index, addresses)`` hears each incarnation's addresses (and its node),
+    ``on_lost(index, cause)`` each death."""
+
+    def __init__(self, topology: Topology, index: int, on_started: Callable[[int, dict[str, str]], None],
+                 on_lost: Callable[[int, str], None]) -> None:
+        self.topology = topology
+        self.index = index
+        self.on_started = on_started
+        self.on_lost = on_lost
+        self.actor: Any = None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        await trio.to_thread.run_sync(_connect, self.topology.server.ray_address)
+        resources = dict(self.topology.replica_placements()[self.index].scheduler.resources)
+        options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0),
+                   "resources": resources, "max_restarts": -1, "max_task_retries": 0, "max_concurrency": 4}
+        self.actor = ray.remote(ReplicaActor).options(**options).remote(msgspec.to_builtins(self.topology),
+                                                                         self.index)
+        task_status.started(self)
+        while True:
+            try:
+                addresses = await trio.to_thread.run_sync(ray.get, self.actor.start.remote(), abandon_on_cancel=True)
+                log.info("replica %d runs on Ray node %s", self.index, addresses["node"])
+                self.on_started(self.index, addresses)
+                ended = await trio.to_thread.run_sync(ray.get, self.actor.wait.remote(), abandon_on_cancel=True)
+                self.on_lost(self.index, ended or f"replica {self.index} ended")
+                await trio.to_thread.run_sync(ray.kill, self.actor, False)  # Ray starts it afresh
+            except RayActorError as exc:  # its process or its node died: Ray restarts it where it can
+                self.on_lost(self.index, f"replica {self.index}'s Ray actor died: {type(exc).__name__}")
+            await trio.sleep(RETRY_S)
+
+    async def stop(self) -> None:
+        if self.actor is not None:
+            with trio.move_on_after(60):
+                await trio.to_thread.run_sync(_end, self.actor, abandon_on_cancel=True)
+
+
+def _connect(address: str | None) -> None:
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+
+
+def _end(actor: Any) -> None:
+    try:
+        ray.get(actor.stop.remote(), timeout=60)
+    except (RayActorError, ray.exceptions.GetTimeoutError):
+        pass
+    ray.kill(actor, no_restart=True)
+
+
+def ray_specs(topology: Topology, on_started: Callable[[int, dict[str, str]], None],
+              on_lost: Callable[[int, str], None]) -> list[ChildSpec]:
+    """A supervisor child for each remote replica of ``topology``."""
+    grace = topology.supervision.shutdown_grace
+    return [ChildSpec(f"ray-replica-{i}", lambda i=i: RayReplica(topology, i, on_started, on_lost),
+                      shutdown=2 * grace + 5)
+            for i, r in enumerate(topology.replica_placements()) if r.scheduler.process == "remote"]

@@ -1,0 +1,63 @@
+"""The child specs of a replica (its scheduler and its detokenizer) and the supervisors
+that run them: shared by the server (``launch``), a replica started on its own
+(``tercet replica``, ``replicas.run_replica``) and the Ray launcher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from actors import ActorChild, Backoff, ChildSpec, Supervisor, SupervisorEvent
+from actors.process import ProcessChild
+
+from ..managers.detokenizer import DetokenizerManager
+from ..managers.scheduler import Scheduler, SchedulerConfig
+from .topology import ReplicaPlacement, Topology, tokenizer_source
+
+__all__ = ["core_specs", "make_supervisor"]
+
+
+def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any, tokenizer: Any,
+               weights: Callable[[], str | None], placement: ReplicaPlacement | None = None,
+               binds: dict[str, str] | None = None) -> list[ChildSpec]:
+    """The scheduler and the detokenizer, in start order; ``workers``: the mailboxes
+    of the tokenizer managers the detokenizer sends to; ``weights()``: what each
+    start of the scheduler loads (the weights an update made current); ``placement``,
+    ``addresses`` (where they are reached) and ``binds`` (where they listen, default
+    the same): of one replica (default: the topology's only one). A remote placement
+    runs here as a child process (``tercet replica`` starts it so)."""
+    grace = topology.supervision.shutdown_grace
+    base = topology.scheduler_config(addresses["detokenizer"])
+    placement = placement or topology.replica_placements()[0]
+    sched, detok = placement.scheduler, placement.detokenizer
+    binds = binds or addresses
+
+    def config() -> SchedulerConfig:
+        return msgspec.structs.replace(base, model=weights())
+
+    if sched.process in ("child", "remote"):
+        scheduler = lambda: ProcessChild(  # noqa: E731
+            sched.target or "serving.managers.scheduler:scheduler_child",
+            {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
+            name="scheduler", kill_after=grace, hub=hub.options)
+    else:
+        scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
+    if detok.process in ("child", "remote"):
+        args = {"address": binds["detokenizer"], "tokenizer": tokenizer_source(topology.model),
+                "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
+        detokenizer = lambda: ProcessChild(  # noqa: E731
+            detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
+            kill_after=grace, hub=hub.options)
+    else:
+        detokenizer = lambda: ActorChild(  # noqa: E731
+            lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)
+    return [ChildSpec("scheduler", scheduler, shutdown=grace), ChildSpec("detokenizer", detokenizer, shutdown=grace)]
+
+
+def make_supervisor(topology: Topology, specs: list[ChildSpec],
+                    observer: Callable[[SupervisorEvent], None], name: str = "server") -> Supervisor:
+    s = topology.supervision
+    return Supervisor(name, specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
+                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
