@@ -16,7 +16,7 @@ from .test_recovery import baseline, requests_for, runner  # noqa: F401
 from .test_replicas import stream_and_strike
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # Ray starts in seconds here; bounded anyway
 
 
 def ray_topology(tmp_path, address):
