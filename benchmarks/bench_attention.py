@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -99,8 +100,7 @@ def main(argv=None) -> int:
     result = {"rows": rows, "page_size": args.page_size, "rounds": args.rounds, "layers": args.layers,
               "spread": args.spread, "equal": args.equal, "threads": torch.get_num_threads()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
