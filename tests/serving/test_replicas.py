@@ -226,12 +226,13 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
     frozen, lost = requests_for(22, n=8), requests_for(23, n=8)
     expected = baseline(frozen + lost)  # (before the server starts: the reference run blocks this thread)
     url, app = await start_server(nursery, "default", **TWO, **{"router.policy": "round_robin",
-                                                                "watchdogs.output_timeout": 3.0})
+                                                                "watchdogs.output_timeout": 3.0,
+                                                                "supervision.shutdown_grace": 2.0})
     status, tm = app.state.server.runtime.status, app.state.server.runtime.tokenizer_manager
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         texts, info = await stream_and_strike(app, client, frozen, freeze)
         assert texts == {b["rid"]: expected[b["rid"]] for b in frozen}  # (before the hung process is even
-        # dead: it is sent SIGTERM, and SIGKILL 10 s later)
+        # dead: it is sent SIGTERM, and SIGKILL a grace period later)
         assert_drained(info)
         await status.started("scheduler-0", 2)
         assert status.crashes == {("scheduler-0", "WatchdogTimeout"): 1}
