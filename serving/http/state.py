@@ -135,13 +135,12 @@ class ServerState:
         prompt tokens finished there and the share of them served from its prefix cache,
         and its scheduler's queue and KV figures (``infos``: as ``replica_infos`` gave)."""
         tm, status = self.runtime.tokenizer_manager, self.runtime.status
-        pool = getattr(status, "pool", {0})
         figures = []
         for i in range(len(tm.schedulers)):
             info = infos.get(i, {})
             prompt = tm.prompt_tokens[i]
             figures.append({
-                "replica": i, "up": tm.up[i], "in_pool": i in pool, "in_flight": tm.router.load[i],
+                "replica": i, "up": tm.up[i], "in_pool": i in status.pool, "in_flight": tm.router.load[i],
                 "routed": tm.router.routed[i], "prompt_tokens": prompt, "cached_tokens": tm.cached_tokens[i],
                 "cache_hit_rate": tm.cached_tokens[i] / prompt if prompt else 0.0,
                 **{key: info[key] for key in ("waiting", "running", "kv_pages_total", "kv_pages_free",
@@ -204,7 +203,6 @@ class HealthMonitor:
         self.state = state
         self.last_problem: str | None = None
         self.info: dict[str, Any] | None = None  # the scheduler's last ServerInfoReq answer (for /metrics)
-        self.replicas: dict[int, dict[str, Any]] = {}  # with replicas: each one's that answered
         self.answered_at = trio.current_time()
         self.loop_lag = 0.0  # seconds, a moving average of how late a 50 ms sleep wakes
 
@@ -241,7 +239,6 @@ class HealthMonitor:
         """Healthy while any replica answers (the others' requests moved to it)."""
         infos = await self.state.replica_infos(timeout=5.0)
         answered = {i: info for i, info in infos.items() if "error" not in info["detokenizer"]}
-        self.replicas = answered
         if not answered:
             self.last_problem = "no replica's scheduler and detokenizer answer"
             return

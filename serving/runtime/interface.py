@@ -46,6 +46,7 @@ class StatusTracker:
         self._crash_cause: dict[str, str] = {}
         self._restarts: dict[str, int] = {}
         self._pids: dict[str, int] = {}
+        self.pool = {0}  # the replicas that may serve (``ReplicaStatus``: while they stay within their intensity)
         self._up = trio.Event()
         self._up.set()
         self._running = True  # a worker: as the main process said
