@@ -230,11 +230,28 @@ class LocalRuntime(Supervised):
             return
         tm = self._tm.current
         if change == "up":
-            tm.replica_up(replica)
+            if replica in self.status.remote and self.weights != self.topology.model.path:
+                self._nursery.start_soon(self._reload_then_up, replica)
+            else:
+                tm.replica_up(replica)
         elif change == "down":
             self._nursery.start_soon(partial(tm.replica_down, replica, cause, cache_lost=cache_lost))
         else:
             log.error("%s; %d replicas serve on", cause, len(self.status.pool))
+
+    async def _reload_then_up(self, replica: int) -> None:
+        """A remote replica (re)started on the topology's weights: it takes requests once it loaded
+        the ones serving now (an update made them current), so every replica answers alike."""
+        tm = self._tm.current
+        try:
+            result = await tm.ctx.call(tm.schedulers[replica], UpdateWeightsReq(self.weights), timeout=600.0)
+        except CallError as exc:
+            result = {"success": False, "message": str(exc)}
+        if result["success"]:
+            tm.replica_up(replica)
+        else:  # left out of the routing until it restarts again (and is given them again)
+            log.error("replica %d could not load the weights serving now (%s): it takes no requests",
+                      replica, result["message"])
 
     def _ray_started(self, replica: int, addresses: dict[str, str]) -> None:
         """A replica's Ray actor runs (again), there: it is watched at these addresses."""

@@ -15,6 +15,7 @@ from serving.runtime.topology import TopologyError, load_topology
 
 from .test_http import start_server
 from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, run_all, runner  # noqa: F401
+from .test_update_weights import model_dirs  # noqa: F401
 
 # -- the router alone ---------------------------------------------------------------------
 
@@ -253,14 +254,14 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
 # -- replicas started elsewhere (process: remote), as Kubernetes or Ray would ------------------
 
 
-def remote_topology(tmp_path, ports):
+def remote_topology(tmp_path, ports, model):
     """Two remote replicas and the front end's mailbox, over tcp on loopback (the YAML file)."""
     import yaml
 
     def at(port):
         return {"process": "remote", "address": f"tcp://127.0.0.1:{port}"}
 
-    data = {"model": {"path": "tiny", "dtype": "float32"},
+    data = {"model": {"path": model, "dtype": "float32"},
             "scheduler": {"replicas": 2},
             "router": {"policy": "round_robin"},
             "supervision": {"max_restarts": 20, "quarantine_after": 1000},
@@ -295,17 +296,18 @@ async def start_replica(nursery, config, index):
 
 
 @pytest.mark.slow
-async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery, baseline, tmp_path):
-    """Two ``tercet replica`` processes, the front end connecting to them over tcp: requests are
-    served by both; one killed (its whole process group) mid-stream has its requests finished by
-    the other with the fault-free text; started again, it rejoins and takes requests."""
+async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery, tmp_path, model_dirs):
+    """Two ``tercet replica`` processes (model a), the front end connecting to them over tcp:
+    requests are served by both; weights b loaded on both; one replica killed (its whole process
+    group) mid-stream has its requests finished by the other with the fault-free text; started
+    again (on a's weights, from the topology), it is given b before it takes requests."""
     from ..conftest import free_tcp_port
+    from .test_update_weights import GREEDY
 
-    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(5)])
-    bodies = requests_for(24, n=8)
-    expected = baseline(bodies)
+    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(5)], model_dirs["a"])
     replicas = [await start_replica(nursery, config, i) for i in range(2)]
-    url, app = await start_server(nursery, str(config))  # waits until a replica answers
+    url, app = await start_server(nursery, str(config), **{"model.path": model_dirs["a"],
+                                                            "server.weights_roots": [model_dirs["root"]]})
     tm = app.state.server.runtime.tokenizer_manager
     status = app.state.server.runtime.status
     assert tm.remote == {0, 1} and app.state.server.runtime.replicas.specs == []  # none started here
@@ -313,12 +315,30 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
     async def kill(app, client):
         os.killpg(replicas[1].pid, signal.SIGKILL)
 
+    async def both_answers(client):
+        """The greedy answer of each replica (round robin: one request each)."""
+        answers = []
+        for _ in range(2):
+            r = await client.post("/generate", json=GREEDY)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["output_ids"])
+        return answers
+
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         with trio.fail_after(120):
             while tm.up != [True, True]:
                 await trio.sleep(0.05)
+        on_a = await both_answers(client)
+        r = await client.post("/update_weights_from_disk", json={"model_path": model_dirs["b"]})
+        assert r.status_code == 200, r.text
+        on_b = await both_answers(client)
+        assert on_a[0] == on_a[1] and on_b[0] == on_b[1] and on_a[0] != on_b[0]
+
+        bodies = requests_for(24, n=8)
+        fault_free = {}
+        await run_all(client, bodies, True, fault_free)
         texts, info = await stream_and_strike(app, client, bodies, kill)
-        assert texts == expected and tm.migrated > 0 and tm.up == [True, False]
+        assert texts == fault_free and tm.migrated > 0 and tm.up == [True, False]
         assert (await client.get("/health")).text == "OK: 1 of 2 replicas serving"
         replicas[1] = await start_replica(nursery, config, 1)
         with trio.fail_after(120):
@@ -326,9 +346,7 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
                 await trio.sleep(0.05)
         assert 1 in status.serving
         routed = tm.router.routed[1]
-        for _ in range(2):
-            r = await client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
-            assert r.status_code == 200, r.text
+        assert await both_answers(client) == on_b  # the restarted replica serves b too
         assert tm.router.routed[1] == routed + 1
     for process in replicas:
         process.send_signal(signal.SIGTERM)
