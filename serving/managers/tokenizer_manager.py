@@ -221,6 +221,8 @@ class TokenizerManager(Actor):
         self.remote: set[int] = set()
         self.on_remote: Callable[[int, bool, str], None] | None = None
         self._stalled_remote: set[int] = set()
+        # set while the replicas load new weights: they answer nothing else meanwhile, and are not dead
+        self.loading_weights = False
         self.remote_timeout = watchdog_timeout if remote_timeout is None else remote_timeout
 
     async def on_start(self, ctx: Context) -> None:
@@ -268,6 +270,9 @@ class TokenizerManager(Actor):
         up while both answer (within ``remote_timeout``) from the same processes as before."""
         boots: tuple[str, str] | None = None
         while True:
+            if self.loading_weights:
+                await trio.sleep(REMOTE_PROBE_S)
+                continue
             try:
                 with trio.fail_after(self.remote_timeout):
                     scheduler = await self.ctx.call(self.schedulers[replica], ServerInfoReq(),
@@ -278,7 +283,7 @@ class TokenizerManager(Actor):
             except (CallError, trio.TooSlowError) as exc:
                 seen = None
                 cause = f"replica {replica} does not answer in {self.remote_timeout:g} s: {exc}"
-            if self.on_remote is not None:
+            if self.on_remote is not None and not self.loading_weights:  # (a look begun before a load)
                 if seen is None:
                     self.on_remote(replica, False, cause)
                 else:

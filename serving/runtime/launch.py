@@ -204,7 +204,11 @@ class LocalRuntime(Supervised):
         tm = self.tokenizer_manager
         if self.replicas is None:
             return await tm.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
-        answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
+        tm.loading_weights = True  # (the remote ones' watch: a replica loading weights answers nothing else)
+        try:
+            answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
+        finally:
+            tm.loading_weights = False
         loaded = [i for i, a in answers.items() if not isinstance(a, BaseException) and a["success"]]
         if not loaded:  # the same load error everywhere (a bad path), or no replica answered
             answer = next(iter(answers.values()), CallError("no replica is up"))

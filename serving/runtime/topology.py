@@ -237,20 +237,17 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             if (replica.scheduler.process == "remote") != (replica.detokenizer.process == "remote"):
                 raise TopologyError(f"actors.replicas.{i}: its scheduler and detokenizer run together (both remote "
                                     "or neither)")
+        remote = any(r.scheduler.process == "remote" for r in listed or [])
+        if self.server.launcher == "ray" and not remote:
+            raise TopologyError("server.launcher: ray starts the remote replicas (process: remote in actors.replicas); "
+                                "this topology has none")
         if not self.replicated:
-            if self.server.launcher == "ray":
-                raise TopologyError("server.launcher: ray starts the remote replicas (process: remote in "
-                                    "actors.replicas); this topology has none")
             return
         if listed is None:
             for name in ("scheduler", "detokenizer"):
                 if getattr(self.actors, name).address.startswith("tcp://"):
                     raise TopologyError(f"actors.{name}.address: with scheduler.replicas > 1 over tcp:// give each "
                                         "replica's addresses in actors.replicas")
-        remote = any(r.scheduler.process == "remote" for r in self.replica_placements())
-        if self.server.launcher == "ray" and not remote:
-            raise TopologyError("server.launcher: ray starts the remote replicas (process: remote in actors.replicas); "
-                                "this topology has none")
         if remote and self.transport.curve is not None and self.transport.curve.generate:
             raise TopologyError("transport.curve.generate: replicas started elsewhere cannot share keys made at "
                                 "start; give the key files (secret_file, server_public_file, authorized_dir)")
@@ -445,7 +442,8 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
     return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
                             detokenizer=[r["detokenizer"] for r in replicas],
                             router=Router(len(replicas), topology.router), worker=worker,
-                            remote_timeout=topology.watchdogs.remote_timeout, watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
+                            remote_timeout=topology.watchdogs.remote_timeout,
+                            watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
                             quarantine_after=topology.supervision.quarantine_after,
                             request_timeout=server.request_timeout,
                             on_stall=on_stall, on_status=on_status)

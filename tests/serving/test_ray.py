@@ -72,7 +72,7 @@ async def test_replicas_on_two_ray_nodes_and_a_node_removed_mid_stream(nursery, 
         async def remove_node(app, client):
             await trio.to_thread.run_sync(cluster.remove_node, nodes[on_b])
 
-        texts, info = await stream_and_strike(app, client, bodies, remove_node)
+        texts, info = await stream_and_strike(app, client, bodies, remove_node, victim=1)
         assert texts == expected
         assert tm.migrated > 0 and tm.up == [True, False] and 1 not in status.serving
         assert (await client.get("/health")).text == "OK: 1 of 2 replicas serving"

@@ -145,15 +145,17 @@ async def test_shared_prefixes_land_where_they_are_cached(nursery):
     assert hit_rates["cache_aware"] > hit_rates["round_robin"] + 0.05, hit_rates
 
 
-async def stream_and_strike(app, client, bodies, strike):
+async def stream_and_strike(app, client, bodies, strike, victim):
     """Stream ``bodies`` at two replicas (round robin: both hold requests); ``strike(app, client)``
-    once tokens flow on both. The texts the clients received and /server_info after."""
+    once replica ``victim`` streams a request (it has most of its tokens still to come). The texts
+    the clients received and /server_info after."""
     tm = app.state.server.runtime.tokenizer_manager
     texts = {}
     async with trio.open_nursery() as inner:
         inner.start_soon(run_all, client, bodies, True, texts)
         with trio.fail_after(120):
-            while {s.replica for s in tm.rid_to_state.values() if s.output_ids} != {0, 1}:
+            while not any(s.replica == victim and s.output_ids and s.finished is None
+                          for s in tm.rid_to_state.values()):
                 await trio.sleep(0.005)
         await strike(app, client)
     return texts, await info_of(client)
@@ -176,7 +178,7 @@ async def test_a_replica_killed_mid_stream_has_its_requests_finished_by_the_othe
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         fault_free = {}
         await run_all(client, bodies, True, fault_free)
-        texts, info = await stream_and_strike(app, client, bodies, kill)
+        texts, info = await stream_and_strike(app, client, bodies, kill, victim=1)
     assert texts == fault_free
     tm, status = app.state.server.runtime.tokenizer_manager, app.state.server.runtime.status
     assert status.starts["scheduler-1"] == 1 and info["restarts"]["scheduler-1"] == 0  # not back yet
@@ -231,7 +233,7 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
                                                                 "supervision.shutdown_grace": 2.0})
     status, tm = app.state.server.runtime.status, app.state.server.runtime.tokenizer_manager
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        texts, info = await stream_and_strike(app, client, frozen, freeze)
+        texts, info = await stream_and_strike(app, client, frozen, freeze, victim=0)
         assert texts == {b["rid"]: expected[b["rid"]] for b in frozen}  # (before the hung process is even
         # dead: it is sent SIGTERM, and SIGKILL a grace period later)
         assert_drained(info)
@@ -239,7 +241,7 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
         assert status.crashes == {("scheduler-0", "WatchdogTimeout"): 1}
         migrated = tm.migrated
 
-        texts, info = await stream_and_strike(app, client, lost, kill_detokenizer)
+        texts, info = await stream_and_strike(app, client, lost, kill_detokenizer, victim=1)
         assert texts == {b["rid"]: expected[b["rid"]] for b in lost} and tm.migrated > migrated
         assert_drained(info, stale_outputs=True)  # replica 1's scheduler: no request left in it either
         await status.started("detokenizer-1", 2)
@@ -337,7 +339,7 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
         bodies = requests_for(24, n=8)
         fault_free = {}
         await run_all(client, bodies, True, fault_free)
-        texts, info = await stream_and_strike(app, client, bodies, kill)
+        texts, info = await stream_and_strike(app, client, bodies, kill, victim=1)
         assert texts == fault_free and tm.migrated > 0 and tm.up == [True, False]
         assert (await client.get("/health")).text == "OK: 1 of 2 replicas serving"
         replicas[1] = await start_replica(nursery, config, 1)
