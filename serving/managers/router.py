@@ -55,7 +55,9 @@ class Router:
     def choose(self, ids: Sequence[int], up: Sequence[int]) -> int:
         """The replica for a request with these ids, of those ``up`` (not empty); counted as routed
         and loaded there (``release`` it when it ends or moves)."""
-        if len(up) == 1:
+        if self.replicas == 1:
+            replica = 0  # nothing to choose, nor to remember for a choice
+        elif len(up) == 1:
             replica = up[0]
             if self.config.policy == "cache_aware":
                 self._remember(replica, self._keys(ids))

@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -175,10 +175,14 @@ class TokenizerManager(Actor):
                  detokenizer: str | Sequence[str] | None = None, worker: int = 0,
                  watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
                  quarantine_after: int = 2, request_timeout: float | None = None, router: Router | None = None,
-                 remote_timeout: float | None = None,
+                 remote: Collection[int] = (), remote_timeout: float | None = None,
+                 serving: Collection[int] | None = None,
                  on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
+                 on_remote: Callable[[int, bool, str], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
-        """``scheduler`` / ``detokenizer``: the address of each replica's (one, or a list)."""
+        """``scheduler`` / ``detokenizer``: the address of each replica's (one, or a list);
+        ``serving``: the replicas up now (default: all); ``remote``: those started elsewhere,
+        watched here (``on_remote(replica, up, cause)`` hears what is seen)."""
         self.tokenizer = tokenizer
         self.schedulers = [scheduler] if isinstance(scheduler, str) else list(scheduler)
         self.detokenizers = [detokenizer] if isinstance(detokenizer, str) else list(detokenizer or [])
@@ -195,9 +199,10 @@ class TokenizerManager(Actor):
         self.resumed = 0
         self.migrated = 0  # resumed on another replica than the one they ran on
         self.quarantined = 0
-        self.up = [True] * replicas  # replicas taking requests
+        self.up = [serving is None or i in serving for i in range(replicas)]  # replicas taking requests
         self._any_up = trio.Event()
-        self._any_up.set()
+        if any(self.up):
+            self._any_up.set()
         self._failed = False  # fail_all: the runtime gave up
         # per replica, of the requests that finished there: prompt tokens, and those of them cached
         self.prompt_tokens = [0] * replicas
@@ -216,10 +221,10 @@ class TokenizerManager(Actor):
         self._trial: trio.CancelScope | None = None  # the wait for the request on trial to progress
         self._no_probation = trio.Event()
         self._no_probation.set()
-        # replicas started elsewhere (``process: remote``): watched here, ``on_remote(replica, up, cause)``
-        # told what was seen; one that answers nothing for ``remote_timeout`` s, or restarted, is down
-        self.remote: set[int] = set()
-        self.on_remote: Callable[[int, bool, str], None] | None = None
+        # replicas started elsewhere (``process: remote``): one that answers nothing for ``remote_timeout``
+        # s, or restarted, is down
+        self.remote = set(remote)
+        self.on_remote = on_remote
         self._stalled_remote: set[int] = set()
         # set while the replicas load new weights: they answer nothing else meanwhile, and are not dead
         self.loading_weights = False
@@ -433,10 +438,10 @@ class TokenizerManager(Actor):
             await self._any_up.wait()
         if state.finished is not None or self._failed:  # ended while it waited
             return
-        up = [i for i, is_up in enumerate(self.up) if is_up]
-        replica = self.router.choose(state.prompt_ids + state.output_ids if resume else state.prompt_ids, up)
+        tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
+        replica = self.router.choose(tokens, [i for i, is_up in enumerate(self.up) if is_up])
         state.replica = replica
-        ids = np.asarray(state.prompt_ids + state.output_ids, dtype=np.int32)
+        ids = np.asarray(tokens, dtype=np.int32)
         replaces = None
         if resume:
             old = state.wire_rid

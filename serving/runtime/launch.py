@@ -157,13 +157,12 @@ class LocalRuntime(Supervised):
             self.status = ReplicaStatus(self.supervisor, self.replicas, self._replica_changed)
 
     def _new_tokenizer_manager(self, replicas: list[dict[str, str]] | None) -> TokenizerManager:
-        tm = make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=replicas,
-                                    on_stall=self.kill_scheduler)
-        if isinstance(self.status, ReplicaStatus):  # a restarted tokenizer manager: as things stand
-            tm.up = [i in self.status.serving for i in range(len(tm.up))]
-            tm.remote = set(self.status.remote)
-            tm.on_remote = self.status.remote_seen
-        return tm
+        if not isinstance(self.status, ReplicaStatus):
+            return make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, on_stall=self.kill_scheduler)
+        # (a restarted tokenizer manager starts from things as they stand)
+        return make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=replicas,
+                                      serving=self.status.serving, on_stall=self.kill_scheduler,
+                                      on_remote=self.status.remote_seen)
 
     @property
     def tokenizer_manager(self) -> TokenizerManager:

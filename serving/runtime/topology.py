@@ -11,7 +11,7 @@ only reads and checks; ``serving.runtime.launch`` starts what it describes.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -214,6 +214,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                 raise TopologyError(f"{where}.process: remote placements are replicas' (actors.replicas), over tcp://")
             if placement.process == "child" and placement.address.startswith("inproc://"):
                 raise TopologyError(f"{where}: a child process cannot be reached over inproc://")
+            if any(amount < 0 for amount in placement.resources.values()):
+                raise TopologyError(f"{where}.resources: amounts must be >= 0 ({placement.resources})")
             if placement.address.startswith("tcp://") and not _loopback(placement.address, where) \
                     and self.transport.curve is None and not self.transport.allow_insecure:
                 raise TopologyError(f"{where}.address: {placement.address} is not a loopback address: "
@@ -431,18 +433,22 @@ def tokenizer_source(model: ModelSection) -> str | None:
 
 
 def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[str, str], *, worker: int = 0,
-                           replicas: list[dict[str, str]] | None = None,
+                           replicas: list[dict[str, str]] | None = None, serving: Collection[int] | None = None,
                            on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
+                           on_remote: Callable[[int, bool, str], None] | None = None,
                            on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> TokenizerManager:
     """The tokenizer manager (of tokenizer worker ``worker``) that ``topology`` describes;
-    ``replicas``: each replica's addresses (default: the one in ``addresses``)."""
+    ``replicas``: each replica's addresses (default: the one in ``addresses``), ``serving``:
+    those up now (default: all)."""
     server = topology.server
     limits = RequestLimits(server.max_batch_size, server.max_stop_strings, server.max_stop_length)
     replicas = replicas or [addresses]
     return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
                             detokenizer=[r["detokenizer"] for r in replicas],
                             router=Router(len(replicas), topology.router), worker=worker,
-                            remote_timeout=topology.watchdogs.remote_timeout,
+                            remote={i for i, r in enumerate(topology.replica_placements())
+                                    if r.scheduler.process == "remote"},
+                            remote_timeout=topology.watchdogs.remote_timeout, serving=serving, on_remote=on_remote,
                             watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
                             quarantine_after=topology.supervision.quarantine_after,
                             request_timeout=server.request_timeout,

@@ -50,7 +50,7 @@ def test_cache_aware_sends_a_prefix_where_it_went_before_until_the_load_is_imbal
 
 
 def test_cache_aware_bounds_what_it_remembers():
-    router = Router(1, RouterConfig(block_tokens=2, max_blocks=3))
+    router = Router(2, RouterConfig(block_tokens=2, max_blocks=3))  # (with one replica there is nothing to keep)
     router.choose(list(range(20)), [0])
     assert router.matched(list(range(20)), 0) == 0  # the oldest blocks (the prefix's start) went
     assert len(router._blocks[0]) == 3
@@ -96,6 +96,9 @@ def test_remote_placements_are_checked():
     with pytest.raises(TopologyError, match=r"actors.replicas.0.scheduler.bind: '0.0.0.0:7001' is not"):
         load_topology("tcp", {"actors.replicas": [{**remote, "scheduler": {**remote["scheduler"],
                                                                              "bind": "0.0.0.0:7001"}}]})
+    negative = {**remote, "scheduler": {**remote["scheduler"], "resources": {"GPU": -1}}}
+    with pytest.raises(TopologyError, match=r"actors.replicas.0.scheduler.resources: amounts must be >= 0"):
+        load_topology("tcp", {"actors.replicas": [negative]})
     with pytest.raises(TopologyError, match=r"transport.curve.generate: replicas started elsewhere"):
         load_topology("tcp", {"actors.replicas": [remote], "transport.curve": {"generate": True}})
 
