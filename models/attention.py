@@ -2,9 +2,10 @@
 
 The runner lays a step out as [decode tokens..., prefill chunks...] and
 builds one `AttentionPlan` per step, shared by every layer. Decode rows
-attend through the page table (a triton kernel on CUDA; on CPU
-`bucketed_decode_attention`, which gives `paged_decode_attention`'s
-results faster); each prefill chunk attends to its cached prefix plus
+attend through the page table (a triton kernel on CUDA; on CPU tercet's
+C++ kernel, `cpu_kernels.paged_decode_attention`, or where it cannot be
+built `bucketed_decode_attention`, which gives `paged_decode_attention`'s
+results faster than the reference); each prefill chunk attends to its cached prefix plus
 itself. These torch functions are also the references the triton kernels
 are tested against.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .kv_cache import pages_for
 from .split_attention import SplitPlan, split_kv_attention
 
@@ -47,6 +49,7 @@ class AttentionPlan:
     decode_buckets: list[DecodeBucket] | None  # torch path, default mode
     prefills: list[PrefillChunk]
     use_triton: bool
+    cpu_kernel: bool = False  # decode rows through cpu_kernels.paged_decode_attention (no gather)
     compute_dtype: torch.dtype | None = None  # torch path: attend in this dtype (fp32 where bf16 is slow)
     split: SplitPlan | None = None  # the deterministic mode: split-KV attention for every row
     row_tile: int | None = None  # the deterministic mode: rows per GEMM call (layers.py)
@@ -185,6 +188,10 @@ def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
     if n:
         if plan.use_triton:
             out[:n] = triton_attention.paged_decode_attention(
+                q[:n], k_cache, v_cache, plan.page_table, plan.context_lens, plan.page_size, scale
+            )
+        elif plan.cpu_kernel:
+            out[:n] = cpu_kernels.paged_decode_attention(
                 q[:n], k_cache, v_cache, plan.page_table, plan.context_lens, plan.page_size, scale
             )
         else:

@@ -37,12 +37,13 @@ class Batch:
 
 def build_batch(
     seqs: Sequence[_Seq], page_size: int, device, use_triton: bool,
-    split: int | None = None, row_tile: int | None = None, *, kv_heads: int,
+    split: int | None = None, row_tile: int | None = None, *, kv_heads: int, cpu_kernel: bool = False,
 ) -> Batch:
     """`seqs` must list single-token (decode) sequences first.
 
     `split` and `row_tile` turn on the deterministic mode (see runner.py);
-    `kv_heads` is the model's, for the torch decode path's gather indices.
+    `kv_heads` is the model's, for the torch decode path's gather indices;
+    `cpu_kernel` sends decode rows through the C++ kernel (no gather plan).
     """
     for s in seqs:
         _check(s, page_size)
@@ -60,12 +61,13 @@ def build_batch(
         positions.extend(range(s.num_cached, s.num_cached + len(s.token_ids)))
         row = chunk.end
     table, context_lens = table.to(device), context_lens.to(device)
-    fast = split is None and not use_triton
-    buckets = decode_buckets(table, context_lens, page_size, kv_heads) if decode and fast else None
+    cpu_kernel = cpu_kernel and split is None and not use_triton
+    torch_path = split is None and not use_triton and not cpu_kernel
+    buckets = decode_buckets(table, context_lens, page_size, kv_heads) if decode and torch_path else None
     plan = AttentionPlan(
         slots=torch.cat(slot_parts).to(device), num_decode=num_decode, page_table=table,
         context_lens=context_lens, page_size=page_size, decode_buckets=buckets,
-        prefills=chunks, use_triton=use_triton, row_tile=row_tile,
+        prefills=chunks, use_triton=use_triton, cpu_kernel=cpu_kernel, row_tile=row_tile,
     )
     if split is not None:
         plan.split = _split_plan(decode, prefill, chunks, positions, page_size, split, device, use_triton)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import invariant
+from . import cpu_kernels, invariant
 from .batch import build_batch
 from .errors import ModelLoadError
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
@@ -122,6 +122,8 @@ class ModelRunner:
         self.use_triton = (
             self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         )
+        # the deterministic mode keeps its split-KV attention (decode and prefill rows alike)
+        self.cpu_kernel = self.device.type == "cpu" and not deterministic and cpu_kernels.load()
 
     @property
     def context_len(self) -> int:
@@ -180,7 +182,7 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
         batch = build_batch(
             [seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton,
-            self.split, self.row_tile, kv_heads=self.model.num_kv_heads,
+            self.split, self.row_tile, kv_heads=self.model.num_kv_heads, cpu_kernel=self.cpu_kernel,
         )
         if self.model.upcast:
             batch.plan.compute_dtype = torch.float32

@@ -22,6 +22,14 @@ def tcp_address():
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionstart(session):
+    """Build tercet's CPU kernels (once per machine, ~6 s) before tests start servers: else the
+    first schedulers each compile them while their start-up is being timed."""
+    from models import cpu_kernels
+
+    cpu_kernels.load()
+
+
 def run_benchmark(module: str, *args: str, json_path, timeout: float):
     """``python -m benchmarks.<module> *args --json json_path`` from the repository root; it must
     exit 0. Its stdout (the table) and the JSON it wrote."""

@@ -1,0 +1,108 @@
+"""tercet's own CPU kernels (C++ in `csrc/`), compiled on first use.
+
+`paged_decode_attention` reads each decode row's keys and values in place
+through its page table, where the torch path copies every layer's context
+out of the cache per step (`attention.bucketed_decode_attention`): 2-5x
+less attention time at 32-64 rows here. The kernels are built once per
+machine with the host's C++ compiler (`torch.utils.cpp_extension`, -O3
+-march=native, ~6 s) into tercet's cache (`~/.cache/tercet/kernels`, see
+`loading.cache_root`), named by a digest of the sources, flags, torch
+version and CPU flags, and loaded from there by later processes. Where they cannot be built (no compiler) `load()` logs why once
+and returns False; the runner then keeps the torch path.
+`TERCET_CPU_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .loading import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@functools.cache
+def load() -> bool:
+    """Load the kernels, built first if this machine has no build yet; whether torch.ops.tercet has them."""
+    if os.environ.get("TERCET_CPU_KERNELS", "1") == "0":
+        log.info("tercet CPU kernels off (TERCET_CPU_KERNELS=0): the torch attention path serves")
+        return False
+    target = cache_root() / "kernels" / f"tercet_cpu_{_digest()}.so"
+    try:
+        if target.is_file():
+            torch.ops.load_library(str(target))
+        else:
+            _build(target)
+    except Exception as e:  # no compiler, a compile error: serve on the torch path, say why
+        lines = str(e).strip().splitlines()
+        log.warning("tercet CPU kernels unavailable, the torch attention path serves: %s",
+                    lines[-1] if lines else type(e).__name__)
+        return False
+    return True
+
+
+def _build(target: Path) -> None:
+    """Compile in a private scratch dir (loading the result), then publish the library atomically.
+
+    Not torch's shared build dir: its lock file, left by a process killed mid-build (a
+    supervisor's kill -9), makes every later build wait forever.
+    """
+    from torch.utils import cpp_extension
+
+    _find_ninja()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        log.info("building tercet CPU kernels (once per machine) into %s", target)
+        cpp_extension.load(
+            name=target.stem, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"], build_directory=str(scratch), is_python_module=False,
+            verbose=False,
+        )
+        os.replace(scratch / f"{target.stem}.so", target)  # readers see all of it or nothing
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _digest() -> str:
+    """Names a build by its sources, flags and the CPU it is compiled for (-march=native)."""
+    h = hashlib.sha256()
+    for path in SOURCES:
+        h.update(path.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:12]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _find_ninja() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel's binary may not be on it."""
+    if shutil.which("ninja"):
+        return
+    import ninja  # a dependency of tercet
+
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size: int, scale: float):
+    """q [B, H, D] against each row's pages of one layer's cache [S, KVH, D] -> [B, H, D]."""
+    return torch.ops.tercet.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size, scale)

@@ -1,0 +1,267 @@
+// Decode attention straight from the paged KV cache, on CPU.
+//
+// One query token per row attends to its own context through its page
+// table: keys and values are read in place, once, with no gathered copy of
+// the context (the torch path copies every layer's context per step).
+// Work is split over (row, kv head) pairs; a pair's result is computed by
+// the same code in the same order whatever else is in the batch, so a
+// row's output does not depend on the batch.
+//
+// q [B, H, D], k_cache / v_cache [S, KVH, D], page_table [B, P] int32,
+// context_lens [B] int32 -> out [B, H, D]. The H / KVH query heads of a
+// group read their kv head together; scores, softmax and sums are fp32.
+// With AVX-512 and D a multiple of 16 (up to 256) a vector path runs,
+// else a portable one.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct Shape {
+  int64_t heads, kv_heads, dim, max_pages, page_size;
+  float scale;
+};
+
+inline int64_t slot_of(const int32_t* pages, int64_t t, int64_t page_size) {
+  return static_cast<int64_t>(pages[t / page_size]) * page_size + t % page_size;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// The portable path: any head size, any instruction set.
+template <typename T>
+void attend_pair(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len, T* out,
+                 const Shape& s, int64_t h, std::vector<float>& scores) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim, stride = s.kv_heads * dim;
+  std::vector<float> query(group * dim), acc(group * dim, 0.f), total(group, 0.f);
+  for (int64_t i = 0; i < group * dim; ++i) query[i] = to_float(q[i]) * s.scale;
+  scores.resize(group * len);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_cache + slot_of(pages, t, s.page_size) * stride + h * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += query[g * dim + d] * to_float(k[d]);
+      scores[g * len + t] = dot;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * len;
+    const float top = *std::max_element(row, row + len);
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - top);
+      total[g] += row[t];
+    }
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_cache + slot_of(pages, t, s.page_size) * stride + h * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + t];
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * to_float(v[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] / total[g]);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as torch's conversion
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp on 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2; ~2 ulp over the softmax's range (x <= 0).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int kAhead = 16;  // keys prefetched ahead: the hardware misses the per-head stride
+
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
+}
+constexpr int kMaxGroup = 16;   // query heads per kv head
+
+template <typename T, int C>
+void attend_pair_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len,
+                        T* out, const Shape& s, int64_t h, std::vector<float>& scores) {
+  const int64_t group = s.heads / s.kv_heads, stride = s.kv_heads * s.dim;
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(group * padded);
+  __m512 query[kMaxGroup][C];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) query[g][c] = _mm512_mul_ps(load16(q + g * C * 16 + c * 16), _mm512_set1_ps(s.scale));
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_cache + slot_of(pages, t, s.page_size) * stride + h * C * 16;
+    if (t + kAhead < len) prefetch(k_cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * 16, C * 16);
+    __m512 key[C];
+    for (int c = 0; c < C; ++c) key[c] = load16(k + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
+      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[g][c], key[c], dot);
+      scores[g * padded + t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  float total[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * padded;
+    std::fill(row + len, row + padded, -INFINITY);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+      _mm512_storeu_ps(row + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kMaxGroup][C];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_cache + slot_of(pages, t, s.page_size) * stride + h * C * 16;
+    if (t + kAhead < len) prefetch(v_cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * 16, C * 16);
+    __m512 value[C];
+    for (int c = 0; c < C; ++c) value[c] = load16(v + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, value[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+    for (int c = 0; c < C; ++c) store16(out + g * C * 16 + c * 16, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+
+template <typename T>
+using PairFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, T*, const Shape&, int64_t,
+                        std::vector<float>&);
+
+template <typename T>
+PairFn<T> vector_path(int64_t dim, int64_t group) {
+  if (group > kMaxGroup) return nullptr;
+  switch (dim) {
+    case 64: return attend_pair_avx512<T, 4>;
+    case 128: return attend_pair_avx512<T, 8>;
+    case 256: return attend_pair_avx512<T, 16>;
+    default: return nullptr;
+  }
+}
+#else
+template <typename T>
+PairFn<T> vector_path(int64_t, int64_t) { return nullptr; }
+#endif
+
+template <typename T>
+void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* page_table,
+                 const int32_t* context_lens, T* out, int64_t batch, const Shape& s) {
+  const int64_t group = s.heads / s.kv_heads;
+  PairFn<T> pair = vector_path<T>(s.dim, group);
+  if (pair == nullptr) pair = attend_pair<T>;
+  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t offset = (b * s.heads + h * group) * s.dim;
+      pair(q + offset, k_cache, v_cache, page_table + b * s.max_pages, context_lens[b], out + offset, s, h, scores);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& page_table, const at::Tensor& context_lens,
+                                  int64_t page_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [B, H, D] and the caches [S, KVH, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "page_table and context_lens must be int32");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "one page-table row and one length per query row");
+  TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
+  const Shape s{q.size(1), k_cache.size(1), q.size(2), page_table.size(1), page_size, static_cast<float>(scale)};
+  TORCH_CHECK(k_cache.size(2) == s.dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
+              "head sizes must match and the query heads be a multiple of the kv heads");
+  const auto q_in = q.contiguous();
+  const auto k_in = k_cache.contiguous();
+  const auto v_in = v_cache.contiguous();
+  const auto table = page_table.contiguous();
+  const auto lens = context_lens.contiguous();
+  const int32_t* len_of = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(len_of[b] >= 1 && len_of[b] <= s.max_pages * page_size, "context length out of range");
+  }
+  auto out = at::empty_like(q_in);
+  const auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    decode_rows<scalar_t>(q_in.data_ptr<scalar_t>(), k_in.data_ptr<scalar_t>(), v_in.data_ptr<scalar_t>(),
+                          table.data_ptr<int32_t>(), len_of, out.data_ptr<scalar_t>(), q.size(0), s);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tercet, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+        "Tensor context_lens, int page_size, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}

@@ -1,0 +1,118 @@
+"""tercet's C++ decode attention against the torch reference, and the runner's use of it."""
+
+import shutil
+
+import pytest
+import torch
+
+from models import cpu_kernels
+from models.attention import paged_decode_attention
+from models.loading import tiny_model
+from models.runner import ModelRunner, SeqInput
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert cpu_kernels.load(), "a machine with a C++ compiler must build the kernels (see the log)"
+
+
+def _paged(batch, heads, kv_heads, dim, lens, page_size, dtype, seed=0):
+    """Random q and caches, each row's pages scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lens]
+    pool = sum(pages) + 3
+    order = torch.randperm(pool, generator=g)
+    table = torch.zeros(batch, max(pages), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = order[used : used + n].int()
+        used += n
+    k = torch.randn(pool * page_size, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(pool * page_size, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(batch, heads, dim, generator=g).to(dtype)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+CASES = [  # (heads, kv_heads, head_dim, page_size): the AVX-512 path (64, 128) and the portable one (48)
+    (9, 3, 64, 1), (9, 3, 64, 16), (4, 4, 128, 4), (8, 2, 48, 1), (2, 1, 256, 8),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_the_reference(kernels, heads, kv_heads, dim, page_size, dtype):
+    lens = [1, 7, 16, 17, 130, 64, 301]
+    q, k, v, table, cl = _paged(len(lens), heads, kv_heads, dim, lens, page_size, dtype)
+    out = cpu_kernels.paged_decode_attention(q, k, v, table, cl, page_size, dim**-0.5)
+    ref = paged_decode_attention(q.float(), k.float(), v.float(), table, cl, page_size, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@needs_compiler
+def test_a_row_gets_the_same_bits_alone_or_in_any_batch(kernels):
+    lens = [33, 150, 2, 77, 150]
+    q, k, v, table, cl = _paged(len(lens), 9, 3, 64, lens, 4, torch.bfloat16)
+    whole = cpu_kernels.paged_decode_attention(q, k, v, table, cl, 4, 0.125)
+    for i in range(len(lens)):
+        alone = cpu_kernels.paged_decode_attention(q[i : i + 1], k, v, table[i : i + 1], cl[i : i + 1], 4, 0.125)
+        assert torch.equal(alone[0], whole[i])
+    flipped = cpu_kernels.paged_decode_attention(q.flip(0), k, v, table.flip(0), cl.flip(0), 4, 0.125)
+    assert torch.equal(flipped.flip(0), whole)
+
+
+@needs_compiler
+def test_refuses_what_it_cannot_read(kernels):
+    q, k, v, table, cl = _paged(2, 9, 3, 64, [5, 9], 1, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernels.paged_decode_attention(q, k, v, table.long(), cl, 1, 0.125)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        cpu_kernels.paged_decode_attention(q, k, v, table, torch.tensor([5, 10], dtype=torch.int32), 1, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.paged_decode_attention(q.float(), k, v, table, cl, 1, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of the kv heads"):
+        cpu_kernels.paged_decode_attention(q[:, :8], k, v, table, cl, 1, 0.125)
+
+
+def test_off_by_environment(monkeypatch):
+    monkeypatch.setenv("TERCET_CPU_KERNELS", "0")
+    assert cpu_kernels.load.__wrapped__() is False
+
+
+def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path, caplog):
+    """No compiler (here: a source that does not compile) is a logged fallback, not a crash."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
+    monkeypatch.setenv("TERCET_CACHE_DIR", str(tmp_path / "cache"))
+    assert cpu_kernels.load.__wrapped__() is False
+    assert "CPU kernels unavailable" in caplog.text
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+
+
+@needs_compiler
+def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
+    """The same greedy tokens and close logprobs with the kernel and with the torch path."""
+    model = tiny_model(seed=3)
+    fast = ModelRunner(model, dtype=torch.float32, page_size=4)
+    slow = ModelRunner(model, dtype=torch.float32, page_size=4)
+    slow.cpu_kernel = False
+    assert fast.cpu_kernel and not ModelRunner(model, deterministic=True).cpu_kernel
+    prompts = [[1, 5, 9, 2, 7], list(range(3, 40)), [11] * 12]
+    results = []
+    for runner in (fast, slow):
+        tables = [runner.kv.allocate(runner.kv.pages_for(len(p) + 8)) for p in prompts]
+        out = runner.step([SeqInput(p, t) for p, t in zip(prompts, tables)])
+        tokens, logprobs = [out.token_ids], [out.logprobs]
+        for step in range(7):
+            seqs = [SeqInput([tok], t, len(p) + step) for tok, t, p in zip(tokens[-1], tables, prompts)]
+            out = runner.step(seqs)
+            tokens.append(out.token_ids)
+            logprobs.append(out.logprobs)
+        results.append((tokens, logprobs))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(results[1][1]), atol=1e-4, rtol=1e-4)
