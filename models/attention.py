@@ -173,9 +173,12 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale, com
     return out[0].transpose(0, 1).to(out_dtype)
 
 
-def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale):
-    """Store this layer's new K/V, then attend every row; q/k/v are [T, heads, d]."""
-    if plan.use_triton:
+def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale, stored: bool = False):
+    """Store this layer's new K/V (unless `stored`: done already), then attend every row;
+    q/k/v are [T, heads, d]."""
+    if stored:
+        pass
+    elif plan.use_triton:
         from . import triton_attention
 
         triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)

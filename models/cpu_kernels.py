@@ -28,8 +28,10 @@ from .loading import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+HEADERS = [CSRC / "vec.h"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused a*b+c: the eager ops round each
 
 
 @functools.cache
@@ -45,9 +47,9 @@ def load() -> bool:
         else:
             _build(target)
     except Exception as e:  # no compiler, a compile error: serve on the torch path, say why
-        lines = str(e).strip().splitlines()
-        log.warning("tercet CPU kernels unavailable, the torch attention path serves: %s",
-                    lines[-1] if lines else type(e).__name__)
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = next((line for line in lines if "error" in line.lower()), lines[-1])
+        log.warning("tercet CPU kernels unavailable, the torch attention path serves: %s", reason.strip())
         return False
     return True
 
@@ -78,7 +80,7 @@ def _build(target: Path) -> None:
 def _digest() -> str:
     """Names a build by its sources, flags and the CPU it is compiled for (-march=native)."""
     h = hashlib.sha256()
-    for path in SOURCES:
+    for path in [*SOURCES, *HEADERS]:
         h.update(path.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -106,3 +108,19 @@ def _find_ninja() -> None:
 def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size: int, scale: float):
     """q [B, H, D] against each row's pages of one layer's cache [S, KVH, D] -> [B, H, D]."""
     return torch.ops.tercet.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size, scale)
+
+
+def add_rms_norm_(x, delta, weight, eps: float):
+    """x += delta in place; returns weight * rms_norm(x) (both [T, N], model dtype)."""
+    return torch.ops.tercet.add_rms_norm_(x, delta, weight, eps)
+
+
+def silu_mul(gate_up):
+    """[T, 2N] = [gate | up] -> silu(gate) * up [T, N]."""
+    return torch.ops.tercet.silu_mul(gate_up)
+
+
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int):
+    """qkv [T, heads + 2 kv_heads, D]: rotates q and k (cos/sin [T, D]), stores k and v at cache
+    rows `slots`; returns the rotated q [T, heads, D] and k [T, kv_heads, D]."""
+    return torch.ops.tercet.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import invariant
+from . import cpu_kernels, invariant
 from .attention import AttentionPlan, attend
 from .errors import ModelLoadError
 
@@ -212,9 +212,28 @@ class CausalLM:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos = (emb.cos() * self.rope_scale).to(self.dtype)
         sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        if plan.cpu_kernel and not self.upcast and self.layers[0].q_norm is None:
+            return self._fused_forward(x, cos[:, 0], sin[:, 0], plan, k_cache, v_cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, plan, k_cache[i], v_cache[i])
         return _rms_norm(x, self.norm, self.eps)
+
+    def _fused_forward(self, x, cos, sin, plan: AttentionPlan, k_cache, v_cache):
+        """`forward` through tercet's fused CPU ops (cpu_kernels): rope + K/V store in one pass,
+        each residual add with the norm after it, silu(gate) * up; the same roundings as the
+        eager ops (tests/models/test_cpu_kernels.py)."""
+        h = _rms_norm(x, self.layers[0].input_norm, self.eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(h)
+            q, k = cpu_kernels.rope_store(qkv, cos, sin, k_cache[i], v_cache[i], plan.slots,
+                                          self.num_heads, self.num_kv_heads)
+            v = qkv.view(len(x), -1, self.head_dim)[:, self.num_heads + self.num_kv_heads :]
+            attn = attend(q, k, v, k_cache[i], v_cache[i], plan, self.scale, stored=True)
+            h = cpu_kernels.add_rms_norm_(x, layer.o(attn.reshape(len(x), self.q_size)), layer.post_norm, self.eps)
+            down = layer.down(cpu_kernels.silu_mul(layer.gate_up(h)))
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h = cpu_kernels.add_rms_norm_(x, down, after, self.eps)
+        return h
 
     def logits(self, hidden, row_tile: int | None = None) -> torch.Tensor:
         """fp32 logits of hidden rows; `row_tile` as in AttentionPlan (the deterministic mode)."""

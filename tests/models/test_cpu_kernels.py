@@ -116,3 +116,56 @@ def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
         results.append((tokens, logprobs))
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(results[1][1]), atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [576, 40])  # the AVX-512 path (a multiple of 16) and the portable one
+def test_fused_ops_give_the_eager_ops_bits(kernels, dtype, width):
+    """add + norm, silu * up and rope + store as layers.py's eager ops compute them: the adds,
+    rotations and stores bit for bit, the norm and silu within a few roundings of the dtype (their
+    sums and exp are computed in another order)."""
+    import torch.nn.functional as F
+
+    from models.layers import _rms_norm, _rotate
+
+    g = torch.Generator().manual_seed(width)
+    rows = 37
+    x, delta = torch.randn(rows, width, generator=g).to(dtype), torch.randn(rows, width, generator=g).to(dtype)
+    weight = (torch.rand(width, generator=g) + 0.5).to(dtype)
+    fused_x = x.clone()
+    h = cpu_kernels.add_rms_norm_(fused_x, delta, weight, 1e-5)
+    assert torch.equal(fused_x, x + delta)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(h, _rms_norm(x + delta, weight, 1e-5), atol=4 * ulp, rtol=4 * ulp)
+
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=2 * ulp, rtol=2 * ulp)
+
+    heads, kv_heads, dim = 6, 2, width // 8 * 2
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    angles = torch.rand(rows, dim // 2, generator=g) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    k_cache, v_cache = torch.zeros(100, kv_heads, dim, dtype=dtype), torch.zeros(100, kv_heads, dim, dtype=dtype)
+    slots = torch.randperm(100, generator=g)[:rows]
+    q, k = cpu_kernels.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    want = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
+    assert torch.equal(q, want[:, :heads]) and torch.equal(k, want[:, heads:])
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], qkv[:, heads + kv_heads :])
+    untouched = torch.ones(100, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@needs_compiler
+def test_fused_ops_refuse_bad_shapes(kernels):
+    x = torch.zeros(4, 32)
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_kernels.add_rms_norm_(x, x, torch.ones(31), 1e-5)
+    with pytest.raises(RuntimeError, match="2 \\* N"):
+        cpu_kernels.silu_mul(torch.zeros(4, 33))
+    cache = torch.zeros(10, 1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.rope_store(torch.zeros(2, 4, 8), torch.zeros(2, 8), torch.zeros(2, 8), cache, cache.clone(),
+                               torch.tensor([3, 10]), 2, 1)

@@ -1,0 +1,218 @@
+// Fused elementwise steps of a decoder layer, on CPU: one pass over the
+// rows where eager torch takes 5-10 ops (each a dispatch and a trip
+// through memory). Each keeps the roundings of the eager ops it replaces
+// (model-dtype results of fp32 math), so results match them closely.
+//
+//   add_rms_norm_(x, delta, weight, eps) -> h:  x += delta (in place); h = weight * rms_norm(x)
+//   silu_mul(gate_up) -> silu(gate) * up, gate_up = [gate | up] per row
+//   rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> q:
+//       rotates q and k (rotate-half), writes k and v into the cache rows `slots`, returns (q, k)
+//
+// Rows are independent: a row's result does not depend on the batch.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even, as torch
+
+// model dtype round trip: what an eager op's model-dtype result holds
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+constexpr int64_t kGrain = 1 << 15;  // elements per thread before a second one helps
+
+template <typename F>
+void over_rows(int64_t rows, int64_t width, const F& f) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) f(r);
+  });
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 round16(__m512 x) {  // through the model dtype and back
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, x);
+    return load16(tmp);
+  }
+}
+#endif
+
+template <typename T>
+void add_rms_norm_rows(T* x, const T* delta, const T* weight, T* h, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, n, [&](int64_t r) {
+    T* xr = x + r * n;
+    const T* dr = delta + r * n;
+    T* hr = h + r * n;
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+      __m512 sum16 = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = round16<T>(_mm512_add_ps(load16(xr + i), load16(dr + i)));
+        store16(xr + i, v);
+        sum16 = _mm512_fmadd_ps(v, v, sum16);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum16) / static_cast<float>(n) + eps));
+      for (int64_t i = 0; i < n; i += 16) {
+        store16(hr + i, _mm512_mul_ps(load16(weight + i), round16<T>(_mm512_mul_ps(load16(xr + i), inv))));
+      }
+      return;
+    }
+#endif
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = round_to<T>(to_float(xr[i]) + to_float(dr[i]));
+      xr[i] = from_float<T>(v);
+      sum += v * v;
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) {
+      hr[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(xr[i]) * inv));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  over_rows(rows, n, [&](int64_t r) {
+    const T* g = gate_up + r * 2 * n;
+    const T* u = g + n;
+    T* o = out + r * n;
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 a = load16(g + i);
+        const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        store16(o + i, _mm512_mul_ps(round16<T>(silu), load16(u + i)));
+      }
+      return;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = to_float(g[i]);
+      o[i] = from_float<T>(round_to<T>(a / (1.f + std::exp(-a))) * to_float(u[i]));
+    }
+  });
+}
+
+template <typename T>
+void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache, const int64_t* slots,
+                     T* q_out, T* k_out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
+  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  over_rows(rows, width, [&](int64_t r) {
+    const T* row = qkv + r * width;
+    const T* c = cos + r * dim;
+    const T* s = sin + r * dim;
+    const int64_t slot = slots[r];
+    for (int64_t head = 0; head < heads + kv_heads; ++head) {
+      const T* x = row + head * dim;
+      T* o = head < heads ? q_out + (r * heads + head) * dim : k_out + (r * kv_heads + head - heads) * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float rotated = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
+        o[i] = from_float<T>(round_to<T>(to_float(x[i]) * to_float(c[i])) + round_to<T>(rotated * to_float(s[i])));
+      }
+      if (head >= heads) std::copy(o, o + dim, k_cache + (slot * kv_heads + head - heads) * dim);
+    }
+    const T* v = row + (heads + kv_heads) * dim;
+    T* vo = v_cache + slot * kv_heads * dim;
+    for (int64_t i = 0; i < kv_heads * dim; ++i) vo[i] = v[i];
+  });
+}
+
+template <typename F>
+void dispatch(const at::Tensor& t, const char* name, const F& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16, not ", t.scalar_type());
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_cpu(delta, "delta");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && delta.sizes() == x.sizes() && weight.numel() == x.size(1), "x, delta [T, N], weight [N]");
+  TORCH_CHECK(delta.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "one dtype");
+  auto h = at::empty_like(x);
+  dispatch(x, "add_rms_norm_", [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_rows<T>(x.template data_ptr<T>(), delta.template data_ptr<T>(), weight.template data_ptr<T>(), h.template data_ptr<T>(), x.size(0),
+                         x.size(1), static_cast<float>(eps));
+  });
+  return h;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2 * N]");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch(gate_up, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(gate_up.template data_ptr<T>(), out.template data_ptr<T>(), gate_up.size(0), out.size(1));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &cos, &sin, &k_cache, &v_cache, &slots}) check_cpu(*t, "rope_store's tensors");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kv_heads && v_cache.sizes() == k_cache.sizes(),
+              "caches must be [S, kv_heads, D]");
+  const int64_t rows = qkv.size(0), dim = k_cache.size(2);
+  TORCH_CHECK(dim % 2 == 0 && qkv.numel() == rows * (heads + 2 * kv_heads) * dim, "qkv must be [T, heads + 2 kv_heads, D]");
+  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "cos and sin must be [T, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "one int64 slot per row");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&cos, &sin, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "rope_store's tensors must share a dtype");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < k_cache.size(0), "slot out of range");
+  auto q = at::empty({rows, heads, dim}, qkv.options());
+  auto k = at::empty({rows, kv_heads, dim}, qkv.options());
+  dispatch(qkv, "rope_store", [&](auto tag) {
+    using T = decltype(tag);
+    rope_store_rows<T>(qkv.template data_ptr<T>(), cos.template data_ptr<T>(), sin.template data_ptr<T>(), k_cache.template data_ptr<T>(),
+                       v_cache.template data_ptr<T>(), slot, q.template data_ptr<T>(), k.template data_ptr<T>(), rows, heads, kv_heads, dim);
+  });
+  return {q, k};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tercet, m) {
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "int heads, int kv_heads) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("rope_store", c10::DispatchKey::CPU, TORCH_FN(rope_store));
+}
