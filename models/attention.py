@@ -176,13 +176,12 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale, com
 def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale, stored: bool = False):
     """Store this layer's new K/V (unless `stored`: done already), then attend every row;
     q/k/v are [T, heads, d]."""
-    if stored:
-        pass
-    elif plan.use_triton:
+    if plan.use_triton:
         from . import triton_attention
 
-        triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
-    else:
+        if not stored:
+            triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
+    elif not stored:
         store_kv(k_cache, v_cache, k, v, plan.slots)
     if plan.split is not None:
         return _attend_split(q, k_cache, v_cache, plan, scale)

@@ -73,6 +73,9 @@ def _build(target: Path) -> None:
             verbose=False,
         )
         os.replace(scratch / f"{target.stem}.so", target)  # readers see all of it or nothing
+        for old in target.parent.glob("tercet_cpu_*.so"):  # builds of older sources or flags
+            if old != target:
+                old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

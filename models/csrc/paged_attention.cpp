@@ -199,8 +199,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const auto table = page_table.contiguous();
   const auto lens = context_lens.contiguous();
   const int32_t* len_of = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < q.size(0); ++b) {
+  const int32_t* page_of = table.data_ptr<int32_t>();
+  const int64_t num_pages = k_cache.size(0) / page_size;
+  for (int64_t b = 0; b < q.size(0); ++b) {  // every page read must lie in the cache
     TORCH_CHECK(len_of[b] >= 1 && len_of[b] <= s.max_pages * page_size, "context length out of range");
+    for (int64_t p = 0; p < (len_of[b] + page_size - 1) / page_size; ++p) {
+      const int32_t page = page_of[b * s.max_pages + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "page ", page, " out of range");
+    }
   }
   auto out = at::empty_like(q_in);
   const auto run = [&](auto tag) {

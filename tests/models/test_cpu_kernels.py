@@ -72,6 +72,10 @@ def test_refuses_what_it_cannot_read(kernels):
         cpu_kernels.paged_decode_attention(q, k, v, table.long(), cl, 1, 0.125)
     with pytest.raises(RuntimeError, match="context length out of range"):
         cpu_kernels.paged_decode_attention(q, k, v, table, torch.tensor([5, 10], dtype=torch.int32), 1, 0.125)
+    bad = table.clone()
+    bad[1, 3] = len(k)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.paged_decode_attention(q, k, v, bad, cl, 1, 0.125)
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_kernels.paged_decode_attention(q.float(), k, v, table, cl, 1, 0.125)
     with pytest.raises(RuntimeError, match="multiple of the kv heads"):
