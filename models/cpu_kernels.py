@@ -127,3 +127,9 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
     """qkv [T, heads + 2 kv_heads, D]: rotates q and k (cos/sin [T, D]), stores k and v at cache
     rows `slots`; returns the rotated q [T, heads, D] and k [T, kv_heads, D]."""
     return torch.ops.tercet.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+
+
+def argmax_logsumexp(logits):
+    """fp32 logits [B, V] -> (the first index of each row's maximum [B] int64, logsumexp [B]); one
+    thread per row, so a row's results do not depend on the other rows."""
+    return torch.ops.tercet.argmax_logsumexp(logits)

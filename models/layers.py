@@ -49,9 +49,11 @@ class Linear:
     plain W is not kept (`dense()` rebuilds it). Up to a few hundred rows the
     products are bitwise those of `F.linear` (`packing_pays` checks 1-200 rows on
     the machine at start-up); past ~500 rows oneDNN may pick other kernels for the
-    two and they round differently. Past ~1000 rows F.linear's per-call layout is
-    faster (a 2048-token prefill: 3200 tok/s unpacked, 2580 packed); serving chunks
-    prefills at 512 tokens, where the two are even (3600 tok/s).
+    two and they round differently. At 512-2048 rows (serving's prefill chunks, 2048
+    by default) the two are even on the AMX machine (SmolLM2's four projections:
+    1.65 / 3.44 / 4.67 ms packed vs 1.56 / 3.45 / 4.82 unpacked); an AVX512-BF16
+    machine without AMX once measured F.linear faster past ~1000 rows (3200 vs
+    2580 tok/s at 2048).
 
     With `upcast`, a bf16 product computed as fp32 sgemm on exact upcasts: the
     same numbers as a bf16 GEMM (bf16 inputs, fp32 accumulation, bf16 out), but

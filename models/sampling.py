@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -91,32 +93,40 @@ def sample(
     model's own distribution, as vLLM reports them by default).
 
     `positions[i]` is the position of the token being drawn (= tokens
-    before it), which with the row's seed fixes its randomness. Logprobs come
-    from a per-row `log_softmax`: each row is reduced on one thread, so a row's
-    logprobs do not depend on the other rows (`logsumexp` splits a lone
-    vocab-sized row across threads and not one of several: sums ~2e-6 apart),
-    and it is twice as fast as `logsumexp` over 64 rows here (0.9 vs 1.9 ms).
+    before it), which with the row's seed fixes its randomness. Logprobs are
+    logit - logsumexp of the row, each row reduced on one thread, so a row's
+    logprobs do not depend on the other rows (torch's `logsumexp` splits a lone
+    vocab-sized row across threads and not one of several: sums ~2e-6 apart).
+    On CPU `cpu_kernels.argmax_logsumexp` gives the argmax and the logsumexp in
+    one pass (0.6 ms over 64 x 49152 here, against 3.8 ms for max + log_softmax);
+    elsewhere a per-row `log_softmax`.
     """
     logits = logits.float()
     raw = logits  # logprobs: the model's own distribution
-    table = torch.log_softmax(raw, dim=-1)
+    if raw.device.type == "cpu" and cpu_kernels.load():
+        best, lse = cpu_kernels.argmax_logsumexp(raw.contiguous())
+        logprobs_of = lambda ids: raw.gather(1, ids) - lse[:, None]  # noqa: E731
+    else:
+        best, table = None, torch.log_softmax(raw, dim=-1)
+        logprobs_of = lambda ids: table.gather(1, ids)  # noqa: E731
     if any(p.has_penalties for p in params):
         logits = _apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     if any(p.logit_bias for p in params):
         logits = _apply_bias(logits.clone() if logits is raw else logits, params)
     if allowed is not None and any(m is not None for m in allowed):
         logits = _apply_masks(logits.clone() if logits is raw else logits, allowed)
-    chosen = logits.max(dim=-1).indices  # argmax's first maximum, 2.5x faster over 64 rows here
+    # argmax's first maximum (max's: 2.5x faster than argmax over 64 rows here)
+    chosen = best.clone() if best is not None and logits is raw else logits.max(dim=-1).indices
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
         chosen[index] = _draw(logits[index], [params[i] for i in rows], [positions[i] for i in rows])
-    chosen_logprobs = table.gather(1, chosen[:, None])[:, 0]
+    chosen_logprobs = logprobs_of(chosen[:, None])[:, 0]
     n_top = max(p.top_logprobs for p in params)
     top = [[] for _ in params]
     if n_top:
         ids = raw.topk(n_top, dim=-1).indices
-        values = table.gather(1, ids)
+        values = logprobs_of(ids)
         for i, p in enumerate(params):
             top[i] = list(zip(ids[i, : p.top_logprobs].tolist(), values[i, : p.top_logprobs].tolist()))
     return Sampled(chosen.tolist(), chosen_logprobs.tolist(), top)

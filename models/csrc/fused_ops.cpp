@@ -7,6 +7,7 @@
 //   silu_mul(gate_up) -> silu(gate) * up, gate_up = [gate | up] per row
 //   rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> q:
 //       rotates q and k (rotate-half), writes k and v into the cache rows `slots`, returns (q, k)
+//   argmax_logsumexp(logits) -> (first index of each row's max, its logsumexp), fp32 rows
 //
 // Rows are independent: a row's result does not depend on the batch.
 
@@ -49,13 +50,31 @@ void over_rows(int64_t rows, int64_t width, const F& f) {
 
 #if defined(__AVX512F__)
 template <typename T>
-inline __m512 round16(__m512 x) {  // through the model dtype and back
+inline __m512 round16(__m512 x) {  // through the model dtype and back, in registers
   if constexpr (std::is_same_v<T, float>) {
     return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, NaN kept
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    return _mm512_mask_mov_ps(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
   } else {
-    alignas(64) T tmp[16];
-    store16(tmp, x);
-    return load16(tmp);
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+}
+
+// one head of rope, D = 16 * C with C even: rotated[c] = -x[c + C/2] for c < C/2, else x[c - C/2]
+template <typename T, int C>
+inline void rope_head16(const T* x, const T* cos, const T* sin, T* out) {
+  __m512 v[C];
+  for (int c = 0; c < C; ++c) v[c] = load16(x + 16 * c);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m512 rotated = c < C / 2 ? _mm512_sub_ps(zero, v[c + C / 2]) : v[c - C / 2];
+    const __m512 a = round16<T>(_mm512_mul_ps(v[c], load16(cos + 16 * c)));
+    const __m512 b = round16<T>(_mm512_mul_ps(rotated, load16(sin + 16 * c)));
+    store16(out + 16 * c, _mm512_add_ps(a, b));
   }
 }
 #endif
@@ -130,6 +149,13 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_
     for (int64_t head = 0; head < heads + kv_heads; ++head) {
       const T* x = row + head * dim;
       T* o = head < heads ? q_out + (r * heads + head) * dim : k_out + (r * kv_heads + head - heads) * dim;
+#if defined(__AVX512F__)
+      if (dim == 64 || dim == 128) {
+        dim == 64 ? rope_head16<T, 4>(x, c, s, o) : rope_head16<T, 8>(x, c, s, o);
+        if (head >= heads) std::copy(o, o + dim, k_cache + (slot * kv_heads + head - heads) * dim);
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < dim; ++i) {
         const float rotated = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
         o[i] = from_float<T>(round_to<T>(to_float(x[i]) * to_float(c[i])) + round_to<T>(rotated * to_float(s[i])));
@@ -154,6 +180,62 @@ void dispatch(const at::Tensor& t, const char* name, const F& f) {
 
 void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
+}
+
+// per row of fp32 logits: the first index of its maximum, and log(sum(exp(x))) (max-shifted)
+void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * n;
+      float top = -INFINITY;
+      int64_t at = 0;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if (n >= 16) {
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i where = _mm512_setzero_si512();
+        __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= n; i += 16) {
+          const __m512 v = _mm512_loadu_ps(row + i);
+          const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first
+          best = _mm512_mask_mov_ps(best, more, v);
+          where = _mm512_mask_mov_epi32(where, more, lane);
+          lane = _mm512_add_epi32(lane, step);
+        }
+        top = _mm512_reduce_max_ps(best);
+        const __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        at = _mm512_mask_reduce_min_epi32(tied, where);  // the first of the lanes' first maxima
+        if (top == -INFINITY) at = 0;
+      }
+#endif
+      for (; i < n; ++i) {
+        if (row[i] > top) top = row[i], at = i;
+      }
+      index[r] = at;
+      float sum = 0.f;
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 m = _mm512_set1_ps(top);
+      __m512 sum16 = _mm512_setzero_ps();
+      for (; i + 16 <= n; i += 16) sum16 = _mm512_add_ps(sum16, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), m)));
+      sum = _mm512_reduce_add_ps(sum16);
+#endif
+      for (; i < n; ++i) sum += std::exp(row[i] - top);
+      lse[r] = top + std::log(sum);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "logits must be float32 [B, V]");
+  auto index = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  auto lse = at::empty({logits.size(0)}, logits.options());
+  row_argmax_lse(logits.data_ptr<float>(), index.data_ptr<int64_t>(), lse.data_ptr<float>(), logits.size(0),
+                 logits.size(1));
+  return {index, lse};
 }
 
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
@@ -210,6 +292,8 @@ std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::T
 TORCH_LIBRARY_FRAGMENT(tercet, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_logsumexp(Tensor logits) -> (Tensor, Tensor)");
+  m.impl("argmax_logsumexp", c10::DispatchKey::CPU, TORCH_FN(argmax_logsumexp));
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int heads, int kv_heads) -> (Tensor, Tensor)");
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class Limits:
     max_running_requests: int = 64
     max_queued_requests: int = 1024
-    chunked_prefill_size: int = 512
+    chunked_prefill_size: int = 2048
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     max_context_len: int = 8192
     stream_interval: int = 1  # send a request's tokens every so many (its first and last at once)

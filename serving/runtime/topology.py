@@ -80,7 +80,7 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     kv_budget: int | str = "1GiB"
     max_running_requests: int = 64
     max_queued_requests: int = 1024
-    chunked_prefill_size: int = 512
+    chunked_prefill_size: int = 2048
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     enable_prefix_cache: bool = True
     # send each request's tokens every so many (SGLang's --stream-interval): fewer, larger stream

@@ -147,7 +147,7 @@ def test_fused_ops_give_the_eager_ops_bits(kernels, dtype, width):
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=2 * ulp, rtol=2 * ulp)
 
-    heads, kv_heads, dim = 6, 2, width // 8 * 2
+    heads, kv_heads, dim = 6, 2, 64 if width % 16 == 0 else 10  # 64: the AVX-512 rope
     qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=g).to(dtype)
     angles = torch.rand(rows, dim // 2, generator=g) * 50
     cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
@@ -173,3 +173,18 @@ def test_fused_ops_refuse_bad_shapes(kernels):
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_kernels.rope_store(torch.zeros(2, 4, 8), torch.zeros(2, 8), torch.zeros(2, 8), cache, cache.clone(),
                                torch.tensor([3, 10]), 2, 1)
+
+
+@needs_compiler
+@pytest.mark.parametrize("vocab", [49152, 37, 5])  # vector lanes, a tail, a row shorter than a vector
+def test_argmax_logsumexp_is_torchs(kernels, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = 4 * torch.randn(6, vocab, generator=g)
+    logits[1, vocab // 2] = logits[1, vocab - 1] = 99.0  # a tie: the first index wins, as max's
+    logits[2] = float("-inf")
+    logits[2, vocab - 1] = 0.5  # one finite logit
+    index, lse = cpu_kernels.argmax_logsumexp(logits)
+    assert torch.equal(index, logits.max(dim=-1).indices)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+    alone = cpu_kernels.argmax_logsumexp(logits[3:4])
+    assert torch.equal(alone[1], lse[3:4])  # a row's result does not depend on the others
