@@ -28,6 +28,8 @@ norms there were never measured, so the runner refuses.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -99,6 +101,8 @@ class ModelRunner:
         deterministic: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            tune_malloc()
         if deterministic and self.device.type != "cpu":
             raise ValueError(
                 f"deterministic mode is measured on CPU only, not on {self.device.type} "
@@ -188,6 +192,30 @@ class ModelRunner:
             batch.plan.compute_dtype = torch.float32
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
         return order, batch, hidden
+
+
+MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 1 << 30
+
+
+@functools.cache
+def tune_malloc() -> bool:
+    """Keep freed activation memory in the process (glibc); whether it took.
+
+    A CPU step allocates and frees MB-sized activations op after op. Past glibc's
+    mmap threshold each is a fresh mapping whose every page faults (and is zeroed)
+    on first touch, and frees at the heap's top are trimmed back to the OS to fault
+    again: a 2048-token prefill of SmolLM2 took 378 ms, 288 ms with both thresholds
+    raised (neither alone helps: setting one turns off glibc's adaptive threshold).
+    vLLM's and SGLang's CPU backends preload tcmalloc for the same reason.
+    Resident memory then stays near its peak.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
