@@ -17,7 +17,10 @@ benchmarks/bench_model.py --deterministic). What it changes:
 - attention is split-KV over absolute positions, the same code for decode
   and prefill rows, reading K/V back from the cache (`split_attention.py`);
 - silu is composed of position-independent ops (the logprobs' normaliser
-  is a per-row log_softmax in either mode, `sampling.py`).
+  is reduced per row, on one thread, in either mode, `sampling.py`).
+
+Outside it, on CPU, tercet's C++ kernels (`cpu_kernels.py`) take decode
+attention and the layer's elementwise steps.
 
 It is claimed for one machine, torch/MKL/oneDNN build and thread count
 (the tiles gave the same bits with 1 and 2 threads here, but GEMM kernels
@@ -205,9 +208,9 @@ def tune_malloc() -> bool:
     A CPU step allocates and frees MB-sized activations op after op. Past glibc's
     mmap threshold each is a fresh mapping whose every page faults (and is zeroed)
     on first touch, and frees at the heap's top are trimmed back to the OS to fault
-    again: a 2048-token prefill of SmolLM2 took 378 ms, 288 ms with both thresholds
+    again: a 2048-token prefill of SmolLM2 took 378 ms, 301 ms with both thresholds
     raised (neither alone helps: setting one turns off glibc's adaptive threshold).
-    vLLM's and SGLang's CPU backends preload tcmalloc for the same reason.
+    vLLM's CPU backend has users preload tcmalloc for the same reason.
     Resident memory then stays near its peak.
     """
     try:
