@@ -1,4 +1,4 @@
-"""Decode attention on CPU: the padded gather (before) vs the bucketed path (models.attention).
+"""Decode attention on CPU: the padded gather vs the bucketed torch path vs tercet's C++ kernel.
 
     python -m benchmarks.bench_attention [--smoke] [--json PATH] [--batches 32,64] [--page-size N]
 
@@ -6,8 +6,11 @@ One "step" is what the runner does for its decode rows: build the step's
 gather plan once, then attend once per layer, over a paged cache with
 shuffled pages and SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64,
 30 layers, bf16). Contexts are all equal (`equal`) or uniform in
-`--spread` (`mixed`). The two paths alternate within each round, so a
-noisy neighbour slows both; the table gives the median of `--rounds`.
+`--spread` (`mixed`). The paths alternate within each round, so a noisy
+neighbour slows them alike; the table gives the median of `--rounds`.
+`kernel` is `models.cpu_kernels.paged_decode_attention` (reads the pages
+in place; what the runner uses where it builds), compared with the
+bucketed path, the runner's fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from models import cpu_kernels
 from models.attention import bucketed_decode_attention, decode_buckets, decode_gather_plan, gathered_decode_attention
 from models.kv_cache import pages_for
 
@@ -55,10 +59,18 @@ def bucketed_step(q, k_cache, v_cache, table, lens, page_size, layers):
     return out
 
 
-def median_ms(args, batch: int, contexts: list[int], generator) -> tuple[float, float, float]:
-    """Median step ms of the padded and the bucketed path, and the largest difference of their outputs."""
+def kernel_step(q, k_cache, v_cache, table, lens, page_size, layers):
+    for _ in range(layers):
+        out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, page_size, HEAD_DIM**-0.5)
+    return out
+
+
+def median_ms(args, batch: int, contexts: list[int], generator) -> dict:
+    """Median step ms of each path, and the largest differences of the outputs from the padded path's."""
     step = make_step(batch, contexts, args.page_size, generator)
     paths = {"padded": padded_step, "bucketed": bucketed_step}
+    if cpu_kernels.load():
+        paths["kernel"] = kernel_step
     times = {name: [] for name in paths}
     for name, path in paths.items():  # warm up
         path(*step, args.page_size, 1)
@@ -67,8 +79,9 @@ def median_ms(args, batch: int, contexts: list[int], generator) -> tuple[float, 
             start = time.perf_counter()
             path(*step, args.page_size, args.layers)
             times[name].append((time.perf_counter() - start) * 1e3)
-    diff = (padded_step(*step, args.page_size, 1).float() - bucketed_step(*step, args.page_size, 1).float()).abs().max()
-    return statistics.median(times["padded"]), statistics.median(times["bucketed"]), diff.item()
+    ref = padded_step(*step, args.page_size, 1).float()
+    diffs = {name: (path(*step, args.page_size, 1).float() - ref).abs().max().item() for name, path in paths.items()}
+    return {name: (statistics.median(times[name]), diffs[name]) for name in paths}
 
 
 def main(argv=None) -> int:
@@ -87,16 +100,25 @@ def main(argv=None) -> int:
     low, high = (int(n) for n in args.spread.split("-"))
     generator = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'batch':>5} {'contexts':>9} {'padded ms':>10} {'bucketed ms':>12} {'speedup':>8}", file=sys.stderr)
+    print(f"{'batch':>5} {'contexts':>9} {'padded ms':>10} {'bucketed ms':>12} {'speedup':>8} {'kernel ms':>10} "
+          f"{'kernel vs bucketed':>19}", file=sys.stderr)
     for batch in (int(b) for b in args.batches.split(",")):
         spreads = {"equal": [args.equal] * batch,
                    "mixed": torch.randint(low, high + 1, (batch,), generator=generator).tolist()}
         for kind, contexts in spreads.items():
-            padded, bucketed, diff = median_ms(args, batch, contexts, generator)
-            rows.append({"batch": batch, "contexts": kind, "padded_ms": round(padded, 2),
-                         "bucketed_ms": round(bucketed, 2), "speedup": round(padded / bucketed, 2),
-                         "max_abs_diff": diff})
-            print(f"{batch:>5} {kind:>9} {padded:>10.2f} {bucketed:>12.2f} {padded / bucketed:>8.2f}", file=sys.stderr)
+            measured = median_ms(args, batch, contexts, generator)
+            (padded, _), (bucketed, diff) = measured["padded"], measured["bucketed"]
+            row = {"batch": batch, "contexts": kind, "padded_ms": round(padded, 2),
+                   "bucketed_ms": round(bucketed, 2), "speedup": round(padded / bucketed, 2),
+                   "max_abs_diff": diff}
+            line = f"{batch:>5} {kind:>9} {padded:>10.2f} {bucketed:>12.2f} {padded / bucketed:>8.2f}"
+            if "kernel" in measured:
+                kernel, kernel_diff = measured["kernel"]
+                row.update(kernel_ms=round(kernel, 2), kernel_speedup=round(bucketed / kernel, 2),
+                           kernel_max_abs_diff=kernel_diff)
+                line += f" {kernel:>10.2f} {bucketed / kernel:>19.2f}"
+            rows.append(row)
+            print(line, file=sys.stderr)
     result = {"rows": rows, "page_size": args.page_size, "rounds": args.rounds, "layers": args.layers,
               "spread": args.spread, "equal": args.equal, "threads": torch.get_num_threads()}
     if args.json:

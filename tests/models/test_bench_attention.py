@@ -1,4 +1,5 @@
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,4 +19,6 @@ def test_bench_attention_smoke_writes_its_json(tmp_path):
     for row in result["rows"]:
         assert row["padded_ms"] > 0 and row["bucketed_ms"] > 0 and row["speedup"] > 0
         assert row["max_abs_diff"] < 2e-2  # bf16 rounding, not another result
+        if shutil.which("c++"):  # the C++ kernel, where it can be built
+            assert row["kernel_ms"] > 0 and row["kernel_speedup"] > 0 and row["kernel_max_abs_diff"] < 2e-2
     assert result["page_size"] == 4 and "speedup" in run.stderr
