@@ -35,7 +35,7 @@ from schemathesis.specs.openapi.checks import (
 from serving.http.app import ROUTES, UNPROTECTED
 from serving.http.openai_api import NOT_IMPLEMENTED
 
-from .test_http import server, sse_events, start_server  # noqa: F401 - a fixture
+from .test_http import greedy_texts, server, sse_events, start_server  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow  # hundreds of fuzzed requests against a real server
 
@@ -269,7 +269,7 @@ async def test_streamed_events_match_their_documented_schemas(server):  # noqa: 
 async def test_fuzzed_requests_get_documented_answers_and_harm_nothing(nursery):
     url, app = await start_server(nursery)
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        before = (await client.post("/generate", json=GREEDY)).json()["text"]
+        before = await greedy_texts(client, GREEDY)  # bf16: see greedy_texts
         document = (await client.get("/openapi.json")).json()
         vocab = len(app.state.server.runtime.tokenizer)
         tally = await trio.to_thread.run_sync(fuzz, url, document, vocab)
@@ -281,7 +281,7 @@ async def test_fuzzed_requests_get_documented_answers_and_harm_nothing(nursery):
         assert not tally.failures, "\n\n".join(tally.failures[:5])
         assert tally.cases > 300 and tally.client_errors > 0, tally.figures()
         assert (await client.get("/health")).status_code == 200
-        assert (await client.post("/generate", json=GREEDY)).json()["text"] == before
+        assert (await client.post("/generate", json=GREEDY)).json()["text"] in before
         assert app.state.server.runtime.status.restarts == {"scheduler": 0, "detokenizer": 0, "tokenizer": 0}
 
 

@@ -21,7 +21,7 @@ from serving.managers.messages import GenerateReq, SamplingParams
 
 from ..conftest import free_tcp_port
 from .faults import LATE, LATE_POISON, POISON
-from .test_http import sse_events, start_server
+from .test_http import greedy_texts, sse_events, start_server
 from .test_recovery import baseline, requests_for, run_all, runner, wait_until_healthy  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow  # a real server per test, poison requests crash its scheduler
@@ -172,11 +172,11 @@ async def test_a_huge_prompt_does_not_stall_other_streams_or_health(nursery):
     url, _ = await start_server(nursery, "single-process", **{"server.max_request_bytes": "32MiB"})
     text = "hello world " * 400_000  # 4.8 MB: seconds of tokenizing
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        before = (await client.post("/generate", json=GREEDY)).json()["text"]
+        before = await greedy_texts(client, GREEDY)  # bf16: see greedy_texts
         slowest, r = await health_latency_while(client, lambda: client.post("/generate", json={"text": text}))
         assert r.status_code == 400 and "context window" in r.json()["error"]["message"]
         assert slowest < 1.0, slowest
-        assert (await client.post("/generate", json=GREEDY)).json()["text"] == before
+        assert (await client.post("/generate", json=GREEDY)).json()["text"] in before
 
 
 async def test_a_malformed_message_on_the_scheduler_socket_ends_only_itself(nursery):

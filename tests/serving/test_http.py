@@ -15,6 +15,16 @@ from serving.runtime.topology import load_topology
 from ..conftest import free_tcp_port
 
 
+async def greedy_texts(client, body) -> set[str]:
+    """The texts a healthy server gives greedy `body`: computed from scratch, and with its prompt
+    in the prefix cache. Outside the deterministic mode the two may differ: with a cached prompt
+    its last token attends as a decode row (another kernel than a prefill chunk's), and in bf16 a
+    random model's near-tied logits can flip on that rounding. Checks that a request harmed nothing
+    accept either (a harmed server answers neither)."""
+    first = (await client.post("/generate", json=body)).json()["text"]
+    return {first, (await client.post("/generate", json=body)).json()["text"]}
+
+
 async def start_server(nursery, config="single-process", **overrides):
     topology = load_topology(config, {"model.path": "tiny", "server.port": free_tcp_port(), **overrides})
     hc = Config()
