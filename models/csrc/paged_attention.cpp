@@ -86,22 +86,30 @@ inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
 }
+// kv head h of token t's cache slot as C vectors of 16 floats; prefetches the slot kAhead on
+template <typename T, int C>
+inline void load_head(const T* cache, const int32_t* pages, int64_t t, int64_t len, const Shape& s, int64_t h,
+                      __m512 (&out)[C]) {
+  const int64_t stride = s.kv_heads * C * 16;
+  const T* x = cache + slot_of(pages, t, s.page_size) * stride + h * C * 16;
+  if (t + kAhead < len) prefetch(cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * 16, C * 16);
+  for (int c = 0; c < C; ++c) out[c] = load16(x + c * 16);
+}
+
 constexpr int kMaxGroup = 16;   // query heads per kv head
 
 template <typename T, int C>
 void attend_pair_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len,
                         T* out, const Shape& s, int64_t h, std::vector<float>& scores) {
-  const int64_t group = s.heads / s.kv_heads, stride = s.kv_heads * s.dim;
+  const int64_t group = s.heads / s.kv_heads;
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize(group * padded);
   __m512 query[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) query[g][c] = _mm512_mul_ps(load16(q + g * C * 16 + c * 16), _mm512_set1_ps(s.scale));
   for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_cache + slot_of(pages, t, s.page_size) * stride + h * C * 16;
-    if (t + kAhead < len) prefetch(k_cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * 16, C * 16);
     __m512 key[C];
-    for (int c = 0; c < C; ++c) key[c] = load16(k + c * 16);
+    load_head<T, C>(k_cache, pages, t, len, s, h, key);
     for (int64_t g = 0; g < group; ++g) {
       __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
       for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[g][c], key[c], dot);
@@ -127,10 +135,8 @@ void attend_pair_avx512(const T* q, const T* k_cache, const T* v_cache, const in
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const T* v = v_cache + slot_of(pages, t, s.page_size) * stride + h * C * 16;
-    if (t + kAhead < len) prefetch(v_cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * 16, C * 16);
     __m512 value[C];
-    for (int c = 0; c < C; ++c) value[c] = load16(v + c * 16);
+    load_head<T, C>(v_cache, pages, t, len, s, h, value);
     for (int64_t g = 0; g < group; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, value[c], acc[g][c]);
