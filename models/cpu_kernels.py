@@ -1,14 +1,19 @@
 """tercet's own CPU kernels (C++ in `csrc/`), compiled on first use.
 
-`paged_decode_attention` reads each decode row's keys and values in place
-through its page table, where the torch path copies every layer's context
-out of the cache per step (`attention.bucketed_decode_attention`): 2-5x
-less attention time at 32-64 rows here. The kernels are built once per
-machine with the host's C++ compiler (`torch.utils.cpp_extension`, -O3
--march=native, ~6 s) into tercet's cache (`~/.cache/tercet/kernels`, see
-`loading.cache_root`), named by a digest of the sources, flags, torch
-version and CPU flags, and loaded from there by later processes. Where they cannot be built (no compiler) `load()` logs why once
-and returns False; the runner then keeps the torch path.
+- `paged_decode_attention` reads each decode row's keys and values in place
+  through its page table, where the torch path copies every layer's context
+  out of the cache per step (`attention.bucketed_decode_attention`): 2.7-3.4x
+  less attention time per step at 32-64 rows here (benchmarks/bench_attention.py);
+- `rope_store`, `add_rms_norm_`, `silu_mul`: a decoder layer's elementwise steps,
+  one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
+- `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass.
+
+They are built once per machine with the host's C++ compiler
+(`torch.utils.cpp_extension`, -O3 -march=native, ~6 s) into tercet's cache
+(`~/.cache/tercet/kernels`, see `loading.cache_root`), named by a digest of
+the sources, flags, torch version and CPU flags, and loaded from there by
+later processes. Where they cannot be built (no compiler) `load()` logs why
+once and returns False; the runner then keeps the torch path.
 `TERCET_CPU_KERNELS=0` turns them off.
 """
 
@@ -40,8 +45,8 @@ def load() -> bool:
     if os.environ.get("TERCET_CPU_KERNELS", "1") == "0":
         log.info("tercet CPU kernels off (TERCET_CPU_KERNELS=0): the torch attention path serves")
         return False
-    target = cache_root() / "kernels" / f"tercet_cpu_{_digest()}.so"
     try:
+        target = cache_root() / "kernels" / f"tercet_cpu_{_digest()}.so"  # (sources missing: the except)
         if target.is_file():
             torch.ops.load_library(str(target))
         else:

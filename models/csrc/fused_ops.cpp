@@ -5,8 +5,8 @@
 //
 //   add_rms_norm_(x, delta, weight, eps) -> h:  x += delta (in place); h = weight * rms_norm(x)
 //   silu_mul(gate_up) -> silu(gate) * up, gate_up = [gate | up] per row
-//   rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> q:
-//       rotates q and k (rotate-half), writes k and v into the cache rows `slots`, returns (q, k)
+//   rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> (q, k):
+//       rotates q and k (rotate-half), writes k and v into the cache rows `slots`
 //   argmax_logsumexp(logits) -> (first index of each row's max, its logsumexp), fp32 rows
 //
 // Rows are independent: a row's result does not depend on the batch.

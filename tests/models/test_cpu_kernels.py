@@ -98,6 +98,14 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path, caplog):
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
 
 
+def test_missing_sources_leave_the_torch_path(monkeypatch, tmp_path, caplog):
+    """A package installed without its csrc/ (package data lost) serves, on the torch path."""
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [tmp_path / "gone.cpp"])
+    monkeypatch.setenv("TERCET_CACHE_DIR", str(tmp_path / "cache"))
+    assert cpu_kernels.load.__wrapped__() is False
+    assert "CPU kernels unavailable" in caplog.text and "gone.cpp" in caplog.text
+
+
 @needs_compiler
 def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
     """The same greedy tokens and close logprobs with the kernel and with the torch path."""
