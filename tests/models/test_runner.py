@@ -144,7 +144,6 @@ def test_bf16_upcast_matmuls_give_bf16_results(tiny_llama):
     assert torch.allclose(plain.model.logits(hidden), upcast.model.logits(hidden), atol=0.05, rtol=0.02)
 
 
-
 @pytest.mark.skipif(not pathlib.Path("/lib/x86_64-linux-gnu/libc.so.6").exists()
                     and not pathlib.Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
 def test_a_cpu_runner_keeps_freed_activations_in_the_process(tiny_llama):
