@@ -6,6 +6,10 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=
 
 import torch  # noqa: E402
 
+# One thread: with two, the torch split path's first case came out 6.65e-5 away (not 3.6e-7) in ~1 of 10
+# runs here, the same value each time (a thread-dependent kernel choice); with one, 0 of 24.
+torch.set_num_threads(1)
+
 from models import attention, split_attention, triton_attention  # noqa: E402
 from models.batch import build_batch  # noqa: E402
 from models.runner import SeqInput  # noqa: E402
