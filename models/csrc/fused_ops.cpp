@@ -53,12 +53,8 @@ template <typename T>
 inline __m512 round16(__m512 x) {  // through the model dtype and back, in registers
   if constexpr (std::is_same_v<T, float>) {
     return x;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, NaN kept
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-    return _mm512_mask_mov_ps(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return round_bf16(x);
   } else {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }

@@ -19,13 +19,19 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as torch's conversion
+// x rounded to bf16's precision, still as floats: round to nearest even as torch's conversion,
+// a NaN made bf16's quiet NaN
+inline __m512 round_bf16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __m512i rounded = _mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+inline void store16(c10::BFloat16* p, __m512 x) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 inline void store16(c10::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
