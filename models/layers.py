@@ -60,18 +60,24 @@ class Linear:
     on a CPU without bf16 units 3.5x faster from 8 rows up (measured at
     64 x 576 x 3072: 7.4 ms vs 25.8 ms); below 8 rows bf16 is faster. With
     `tile` (the deterministic mode), fixed-shape GEMMs of `tile` rows.
+
+    With `packed` and `keep_dense`, the plain W is kept too and products of
+    `DENSE_ROWS` rows or more (prefill chunks) go through `F.linear` on it: for some
+    shapes the 128-row layout is up to 2x slower there (`dense_pays` times it).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,
+                 keep_dense: bool = False) -> None:
         self.bias = bias
         self.out_features = weight.shape[0]
         if packed:
-            self.weight, self.packed = None, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            self.weight = weight if keep_dense else None
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         else:
             self.weight, self.packed = weight, None
 
     def dense(self) -> torch.Tensor:
-        return self.weight if self.packed is None else self.packed.to_dense()
+        return self.weight if self.weight is not None else self.packed.to_dense()
 
     def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
         """x W^T without the bias; fp32 when `upcast`."""
@@ -87,7 +93,7 @@ class Linear:
         if upcast and x.shape[0] >= 8:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.dense().float(), bias).to(x.dtype)
-        if self.packed is not None:
+        if self.packed is not None and (self.weight is None or x.shape[0] < DENSE_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -116,6 +122,29 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
     except RuntimeError:  # a torch built without the op, or a CPU it refuses
         return False
     return True
+
+
+DENSE_ROWS = 512  # from here on a product may go through the plain weight (Linear's keep_dense)
+# at most this much memory for those plain copies, per model: SmolLM2-135M's o/down projections
+# take 73 MB (a 512-token prefill 1,362 -> 1,638 tok/s, 2048: 1,545 -> 1,622 on the AMX machine);
+# a 7B model's would take 3.4 GB, so its first layers get them and the rest stay packed only
+DENSE_BUDGET_BYTES = 512 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def dense_pays(dtype: torch.dtype, device: torch.device, shape: tuple[int, int]) -> bool:
+    """Whether, for a prepacked weight of `shape`, keeping the plain one too pays: `F.linear`
+    on it at DENSE_ROWS rows beats the 128-row layout by SLOWER (timed once per shape and
+    process, ~50 ms; measured on the AMX machine at 512 rows: o_proj 0.52 vs 0.86 ms, down_proj
+    1.40 vs 2.71, qkv and gate_up even)."""
+    if not packing_pays(dtype, device):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator).to(dtype)
+    x = torch.randn(DENSE_ROWS, shape[1], generator=generator).to(dtype)
+    linear = Linear(weight, packed=True)
+    packed, plain = _best_seconds(lambda: linear(x), lambda: F.linear(x, weight), rounds=5)
+    return packed > SLOWER * plain
 
 
 # Packed must be this much slower to be refused: where it pays it is 1.2-1.4x faster (AMX), and a
@@ -155,13 +184,21 @@ class _Layer:
         self.input_norm = w.get(f"{prefix}.input_layernorm.weight")
         self.post_norm = w.get(f"{prefix}.post_attention_layernorm.weight")
         pack = model.packed
-        self.qkv = Linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"]),
-                          w.cat([f"{a}.{p}_proj.bias" for p in "qkv"], required=False), pack)
-        self.o = Linear(w.get(f"{a}.o_proj.weight"), w.get(f"{a}.o_proj.bias", required=False), pack)
+
+        def linear(weight, bias=None):
+            size = weight.numel() * weight.element_size()
+            keep = pack and size <= model.dense_budget and dense_pays(weight.dtype, weight.device,
+                                                                      tuple(weight.shape))
+            model.dense_budget -= size if keep else 0
+            return Linear(weight, bias, pack, keep_dense=keep)
+
+        self.qkv = linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"]),
+                          w.cat([f"{a}.{p}_proj.bias" for p in "qkv"], required=False))
+        self.o = linear(w.get(f"{a}.o_proj.weight"), w.get(f"{a}.o_proj.bias", required=False))
         self.q_norm = w.get(f"{a}.q_norm.weight", required=False)  # Qwen3
         self.k_norm = w.get(f"{a}.k_norm.weight", required=False)
-        self.gate_up = Linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"]), None, pack)
-        self.down = Linear(w.get(f"{m}.down_proj.weight"), None, pack)
+        self.gate_up = linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"]))
+        self.down = linear(w.get(f"{m}.down_proj.weight"))
 
     def __call__(self, x, cos, sin, plan, k_cache, v_cache):
         cfg, tile = self.model, plan.row_tile
@@ -198,6 +235,7 @@ class CausalLM:
         self.upcast = upcast and dtype == torch.bfloat16  # see Linear
         # prepacked weights (see Linear); None: where they pay on this machine
         self.packed = packing_pays(dtype, self.device) and not self.upcast if packed is None else packed
+        self.dense_budget = DENSE_BUDGET_BYTES  # what plain copies beside packed weights may take (Linear)
         self.inv_freq, self.rope_scale = _rope_parameters(config)
         w = _Weights(state_dict, dtype, self.device)
         self.embed = w.get("model.embed_tokens.weight")

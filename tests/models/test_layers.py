@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import Linear, packing_pays
+from models.layers import DENSE_ROWS, Linear, dense_pays, packing_pays
 from models.runner import ModelRunner, cpu_has_bf16
 
 CPU = torch.device("cpu")
@@ -23,6 +23,47 @@ def test_a_packed_projection_gives_f_linear_bits(rows):
         assert torch.equal(packed(x), F.linear(x, weight, b))
         assert torch.equal(packed(x, tile=32), Linear(weight, b)(x, tile=32))
         assert torch.equal(packed.dense(), weight)
+
+
+@pytest.mark.skipif(not (cpu_has_bf16() and torch.backends.mkldnn.is_available()), reason="no bf16 units")
+def test_a_packed_projection_keeping_its_dense_weight_uses_it_for_prefill_sized_products(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 80, generator=generator).bfloat16(), torch.randn(96, generator=generator).bfloat16()
+    both = Linear(weight, bias, packed=True, keep_dense=True)
+    assert both.weight is weight and both.dense() is weight
+    plain_rows, real = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *rest: plain_rows.append(len(x)) or real(x, *rest))
+    for rows in (1, DENSE_ROWS - 1, DENSE_ROWS, 2 * DENSE_ROWS + 3):
+        x = torch.randn(rows, 80, generator=generator).bfloat16()
+        out = both(x)
+        assert (plain_rows[-1:] == [rows]) == (rows >= DENSE_ROWS), rows  # the plain weight from DENSE_ROWS on
+        assert torch.allclose(out.float(), real(x, weight, bias).float(), rtol=1e-2, atol=1e-2)
+    plain_rows.clear()
+    x = torch.randn(2 * DENSE_ROWS, 80, generator=generator).bfloat16()
+    assert torch.equal(both(x, tile=32), Linear(weight, bias, packed=True)(x, tile=32))  # deterministic: packed tiles
+    assert plain_rows == []
+
+
+def test_dense_weights_are_kept_only_beside_packed_ones():
+    assert not dense_pays(torch.float32, CPU, (96, 80))
+    assert not dense_pays(torch.bfloat16, torch.device("meta"), (96, 80))
+
+
+@pytest.mark.skipif(not (cpu_has_bf16() and torch.backends.mkldnn.is_available()), reason="no bf16 units")
+def test_plain_copies_stay_within_their_memory_budget(tiny_llama, monkeypatch):
+    from models import layers
+
+    monkeypatch.setattr(layers, "dense_pays", lambda *shape: True)
+    o = tiny_llama.config.hidden_size * tiny_llama.config.hidden_size * 2  # bytes of one bf16 o_proj
+    monkeypatch.setattr(layers, "DENSE_BUDGET_BYTES", o)  # room for exactly one plain copy
+    model = ModelRunner(tiny_llama, dtype=torch.bfloat16).model
+    kept = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if lin.weight is not None]
+    assert kept == [model.layers[0].o] and model.dense_budget == 0  # the first that fits, then none
+    monkeypatch.setattr(layers, "DENSE_BUDGET_BYTES", 1 << 40)
+    model = ModelRunner(tiny_llama, dtype=torch.bfloat16).model
+    assert all(lin.weight is not None for layer in model.layers for lin in (layer.qkv, layer.o, layer.down))
+    assert model.lm_head.weight is None  # the head's products are rows that sample: packed only
 
 
 def test_packing_is_only_for_bf16_on_cpu():
