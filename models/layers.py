@@ -50,10 +50,10 @@ class Linear:
     products are bitwise those of `F.linear` (`packing_pays` checks 1-200 rows on
     the machine at start-up); past ~500 rows oneDNN may pick other kernels for the
     two and they round differently. At 512-2048 rows (serving's prefill chunks, 2048
-    by default) the two are even on the AMX machine (SmolLM2's four projections:
-    1.65 / 3.44 / 4.67 ms packed vs 1.56 / 3.45 / 4.82 unpacked); an AVX512-BF16
-    machine without AMX once measured F.linear faster past ~1000 rows (3200 vs
-    2580 tok/s at 2048).
+    by default) which is faster depends on the shape and the day: the AMX machine once
+    measured SmolLM2's projections even, later o_proj and down_proj 1.6-1.9x slower
+    packed at 512 rows; an AVX512-BF16 machine without AMX measured F.linear faster
+    past ~1000 rows. Hence `keep_dense`, chosen per shape by timing (`dense_pays`).
 
     With `upcast`, a bf16 product computed as fp32 sgemm on exact upcasts: the
     same numbers as a bf16 GEMM (bf16 inputs, fp32 accumulation, bf16 out), but
