@@ -277,7 +277,10 @@ async def test_a_poison_request_is_quarantined_and_the_others_finish(tmp_path, b
             assert poisoned["status"] == 200  # a stream that had started: the error comes as an event
             events = sse_events(poisoned["events"])
             assert events[0]["output_ids"] and "error" in events[-1]
-            assert len(events[-2]["output_ids"]) == LATE  # what it streamed before it crashed the server
+            # what it streamed before it crashed the server: LATE tokens, or fewer where the last
+            # step's outputs died unsent in the killed process's socket (the resumed request then
+            # made them again, and the next kill took them again), but never more
+            assert 0 < len(events[-2]["output_ids"]) <= LATE
             errors = [e for e in events if "error" in e]
             assert len(errors) == 1 and errors[0]["error"]["code"] == 500, poisoned["events"][-500:]
             message = errors[0]["error"]["message"]

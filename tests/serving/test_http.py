@@ -73,11 +73,15 @@ async def metric(client, sample):
 
 
 async def wait_for_info(client, predicate, timeout=30):
-    """Poll /server_info until ``predicate(info)``; the info."""
+    """Poll /server_info until ``predicate(info)``; the info. A 503 (no scheduler answers:
+    it is restarting) is asked again."""
     with trio.fail_after(timeout):
-        while not predicate(info := (await client.get("/server_info")).json()):
+        while True:
+            r = await client.get("/server_info")
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200 and predicate(info := r.json()):
+                return info
             await trio.sleep(0.01)
-    return info
 
 
 def sse_events(text):

@@ -58,11 +58,16 @@ def parse_sse(text):
 
 
 async def wait_for(client, predicate):
-    """Poll /server_info (the scheduler's own view) until ``predicate(info)``."""
+    """Poll /server_info (the scheduler's own view) until ``predicate(info)``. A 503 (no
+    scheduler answers: it is restarting, which a loaded host can bring before the test
+    looks) is asked again."""
     with trio.fail_after(120):
-        while not predicate(info := (await client.get("/server_info")).json()):
+        while True:
+            r = await client.get("/server_info")
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200 and predicate(info := r.json()):
+                return info
             await trio.sleep(0.01)
-    return info
 
 
 def test_workers_need_ipc_or_tcp_links(tmp_path):
