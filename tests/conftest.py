@@ -30,39 +30,6 @@ def pytest_sessionstart(session):
     cpu_kernels.load()
 
 
-# The files that take longest, longest first (seconds of a serial run on a 2-core box, from
-# --durations; 2,622 s in all): .ci/test runs the suite on several pytest-xdist workers, each
-# taking the next whole file when it is free (--dist loadfile --no-loadscope-reorder), so a long
-# file started last would leave the other workers idle at the end. The rest keep their order.
-LONGEST_FIRST = (
-    "serving/test_recovery.py",  # 468 s
-    "serving/test_deterministic.py",  # 252
-    "serving/test_replicas.py",  # 227
-    "serving/test_hostile.py",  # 192
-    "test_bench_recovery.py",  # 186
-    "serving/test_workers.py",  # 184
-    "models/test_determinism.py",  # 133
-    "serving/test_structured.py",  # 87
-    "serving/test_fuzz.py",  # 85
-    "serving/test_ray.py",  # 78
-    "serving/test_cli.py",  # 69
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    tests = ROOT / "tests"
-    missing = [name for name in LONGEST_FIRST if not (tests / name).is_file()]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST names files that are gone: {missing}")
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-
-    def key(item):
-        path = pathlib.Path(item.path)
-        return rank.get(path.relative_to(tests).as_posix() if path.is_relative_to(tests) else "", len(rank))
-
-    items.sort(key=key)  # stable: a file's tests keep their order
-
-
 def run_benchmark(module: str, *args: str, json_path, timeout: float):
     """``python -m benchmarks.<module> *args --json json_path`` from the repository root; it must
     exit 0. Its stdout (the table) and the JSON it wrote."""
