@@ -34,6 +34,8 @@ __all__ = ["Batch", "BatchState", "Limits", "Output", "Req"]
 
 log = logging.getLogger(__name__)
 
+READ_AHEAD_TOKENS = 32  # KV slots a growing request takes ahead of need (see BatchState._grow)
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -349,17 +351,31 @@ class BatchState:
         return True
 
     def _grow(self, req: Req, n: int) -> bool:
-        """Pages for ``n`` more tokens of ``req``, evicting cached prefixes if needed."""
+        """Pages for ``n`` more tokens of ``req``, evicting cached prefixes if needed.
+
+        A few pages more are taken while the pool has room (``_ahead``), so that the
+        tokens a request decodes one a step lie side by side in the cache: decode
+        attention reads each row's context, and scattered rows read ~1.4x slower."""
         wanted = self.kv.pages_for(req.num_kv + n) - len(req.pages)
         if wanted <= 0:
             return True
         if wanted > self.kv.num_free and self.cache is not None:
             self.cache.evict(wanted - self.kv.num_free)
         try:
-            req.pages.extend(self.kv.allocate(wanted))
+            req.pages.extend(self.kv.allocate(wanted + self._ahead(req, wanted),
+                                              after=req.pages[-1] if req.pages else None))
         except OutOfPages:
             return False
         return True
+
+    def _ahead(self, req: Req, wanted: int) -> int:
+        """Pages to take beyond ``wanted``: up to READ_AHEAD_TOKENS' worth, never past the
+        request's last token, and only from a pool with room to spare (a sixteenth of what is
+        free), so reserving never evicts, retracts or refuses anything."""
+        last = min(req.num_prompt + _max_new(req.sampling), self.limits.max_context_len)
+        until_end = self.kv.pages_for(last) - len(req.pages) - wanted
+        spare = (self.kv.num_free - wanted) // 16
+        return max(0, min(self.kv.pages_for(READ_AHEAD_TOKENS), until_end, spare))
 
     def _make_room_for_decodes(self) -> None:
         decoding = [r for r in self.running if len(r.tokens) - r.num_kv == 1]

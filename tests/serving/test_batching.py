@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.runner import ModelRunner, generate
-from serving.managers.batching import BatchState, Limits
+from serving.managers.batching import READ_AHEAD_TOKENS, BatchState, Limits
 from serving.managers.messages import FinishReason, GenerateReq, SamplingParams
 from serving.managers.radix_cache import RadixCache
 
@@ -239,3 +239,40 @@ def test_stream_interval_sends_the_first_token_then_every_nth_and_the_last(runne
     assert sizes == [b - a for a, b in zip([0, *sent_after], sent_after)], sizes
     state.cache.reset()
     assert runner.kv.num_free == free
+
+
+def test_decoding_requests_keep_their_pages_side_by_side(runner):
+    """Each step adds one token to every running request; taken one page at a time they would
+    interleave (request a's page, then b's, ...). Pages are taken ahead, in runs, and never
+    past a request's last token."""
+    state = make_state(runner, cache=False)
+    free = runner.kv.num_free
+    new = 3 * READ_AHEAD_TOKENS
+    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts(4, seed=5)):
+        state.add(req(f"r{i}", p, sampling))
+    seen = {}
+    while not state.idle:
+        batch = state.schedule()
+        for r in batch.reqs:
+            assert len(r.pages) <= len(r.tokens) + new  # never more than its last token needs
+            seen[r.rid] = list(r.pages)
+        state.postprocess(batch, runner.step(batch.seqs))
+    for rid, pages in seen.items():
+        runs = 1 + int(np.count_nonzero(np.diff(pages) != 1))
+        assert runs <= 4, (rid, runs)  # the prompt's run + one per READ_AHEAD_TOKENS, at most
+    assert runner.kv.num_free == free  # what was taken ahead came back
+
+
+def test_a_tight_pool_takes_no_pages_ahead(runner, tiny_loaded):
+    """Taking ahead only ever uses spare room: a pool just big enough still runs every request."""
+    ps = prompts(3, seed=6, lengths=(10, 10))
+    small = make_runner(tiny_loaded, budget_tokens=3 * (10 + 8))
+    state = make_state(small, cache=False)
+    for i, p in enumerate(ps):
+        state.add(req(f"t{i}", p))
+    out = drain(state, small)
+    assert state.retracted == 0
+    for i, p in enumerate(ps):
+        assert out[f"t{i}"]["ids"] == reference(small, p)
+    assert_pool_clean(state)
