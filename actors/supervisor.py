@@ -1,7 +1,9 @@
 """Supervision trees with OTP semantics.
 
 A supervisor starts its children in order, waiting for each to report ready,
-and watches them. When one exits, its restart type decides whether it comes
+and watches them (``start_together``: children that need nothing of each other
+start at once, and the supervisor is ready when all are; a start that fails
+cancels the others'). When one exits, its restart type decides whether it comes
 back (``permanent``: always; ``transient``: only after a crash;
 ``temporary``: never) and the strategy decides which siblings go with it
 (``one_for_one``: none; ``one_for_all``: all; ``rest_for_one``: those started
@@ -117,7 +119,8 @@ class Supervisor:
     def __init__(self, name: str, children: Sequence[ChildSpec], *,
                  strategy: Strategy = Strategy.ONE_FOR_ONE, max_restarts: int = 3,
                  within: float = 5.0, backoff: Backoff = Backoff(),
-                 observer: Callable[[SupervisorEvent], None] | None = None) -> None:
+                 observer: Callable[[SupervisorEvent], None] | None = None,
+                 start_together: bool = False) -> None:
         names = [spec.name for spec in children]
         if len(set(names)) != len(names):
             raise ValueError(f"supervisor {name!r}: child names repeat: {names}")
@@ -128,6 +131,7 @@ class Supervisor:
         self.within = within
         self.backoff = backoff
         self.observer = observer
+        self.start_together = start_together
         self.restarts: dict[str, int] = {spec.name: 0 for spec in children}
         self._running: dict[str, _Running] = {}
         self._restart_times: list[float] = []
@@ -164,8 +168,7 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
-                for spec in self.specs:
-                    await self._start(spec)
+                await self._start_all(self.specs)
                 task_status.started(self)
                 await self._watch()
             except (RestartIntensityExceeded, ChildStartError) as exc:
@@ -182,6 +185,28 @@ class Supervisor:
     def _notify(self, child: str, kind: str, reason: BaseException | None = None) -> None:
         if self.observer is not None:
             self.observer(SupervisorEvent(self.name, child, kind, reason))
+
+    async def _start_all(self, specs: list[ChildSpec]) -> None:
+        """Start ``specs`` in order, or all at once with ``start_together``; the first
+        failure (a ChildStartError) cancels the starts still under way."""
+        if not self.start_together or len(specs) < 2:
+            for spec in specs:
+                await self._start(spec)
+            return
+        failures: list[ChildStartError] = []
+
+        async def start(spec: ChildSpec) -> None:
+            try:
+                await self._start(spec)
+            except ChildStartError as exc:
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for spec in specs:
+                nursery.start_soon(start, spec)
+        if failures:
+            raise failures[0]
 
     async def _start(self, spec: ChildSpec) -> None:
         running = _Running(spec, spec.start())
@@ -257,7 +282,7 @@ class Supervisor:
             try:
                 for s in group:
                     self.restarts[s.name] += 1
-                    await self._start(s)
+                await self._start_all(group)
                 return
             except ChildStartError as exc:
                 reason = exc

@@ -60,4 +60,5 @@ def make_supervisor(topology: Topology, specs: list[ChildSpec],
                     observer: Callable[[SupervisorEvent], None], name: str = "server") -> Supervisor:
     s = topology.supervision
     return Supervisor(name, specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
-                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
+                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer,
+                      start_together=s.start == "together")

@@ -39,6 +39,52 @@ async def test_children_start_in_order_each_awaited_ready(autojump_clock):
     assert [name for kind, name in log if kind == "stop"] == ["c", "b", "a"]
 
 
+def slow_starters(h, log, delays=(("a", 3.0), ("b", 1.0), ("c", 0.0)), failing=()):
+    return [
+        h.actor_spec(name, lambda name=name, delay=delay: Quitter("inproc://out", name, log, ready_after=delay,
+                                                                fail_start=name in failing), f"inproc://{name}")
+        for name, delay in delays
+    ]
+
+
+async def test_children_started_together_are_ready_with_the_slowest(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        t0 = trio.current_time()
+        sup = await h.start_supervisor("sup", slow_starters(h, log), start_together=True)
+        assert trio.current_time() - t0 == pytest.approx(3.0)  # not 3 + 1 + 0
+        assert starts(log) == ["c", "b", "a"]  # as each became ready
+        assert sup.running() == ["a", "b", "c"]
+        await sup.stop()
+        await h.wait_event(lambda e: e.child == "a" and e.kind == "stopped")
+    assert [name for kind, name in log if kind == "stop"] == ["c", "b", "a"]  # still in reverse order
+
+
+async def test_a_start_failing_among_children_started_together_cancels_the_others(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        t0 = trio.current_time()
+        with pytest.raises(ChildStartError, match="'b' failed to start"):
+            await h.start_supervisor("sup", slow_starters(h, log, failing=("b",)), start_together=True)
+        assert trio.current_time() - t0 == pytest.approx(1.0)  # a's start (3 s) was not waited for
+        assert "a" not in starts(log)
+        assert [name for kind, name in log if kind == "stop"] == ["c"]  # the one that was up is stopped
+
+
+async def test_children_started_together_restart_together(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", slow_starters(h, log), start_together=True,
+                                       strategy=Strategy.ONE_FOR_ALL)
+        log.clear()
+        await h.send("inproc://b", Boom())
+        await h.wait_event(lambda e: e.kind == "crashed")
+        t0 = trio.current_time()
+        await h.wait_event(lambda e: h.count("started", "a") == 2)
+        assert trio.current_time() - t0 == pytest.approx(3.0)
+        assert sorted(starts(log)) == ["a", "b", "c"] and sup.running() == ["a", "b", "c"]
+
+
 @pytest.mark.parametrize(
     ("strategy", "restarted", "stopped"),
     [

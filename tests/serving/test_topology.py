@@ -50,6 +50,7 @@ def write(tmp_path, text):
         ("scheduler:\n  stream_interval: 5000\n", r"scheduler.stream_interval: must be in 1..1024"),
         ("actors:\n  scheduler: {process: child, address: 'inproc://s'}\n", r"t.yaml:2: actors.scheduler: a child process"),
         ("supervision:\n  strategy: one_for_some\n", r"t.yaml:2: supervision.strategy: Invalid enum value"),
+        ("supervision:\n  start: sideways\n", r"t.yaml:2: supervision.start: Invalid enum value 'sideways'"),
         ("model:\n  device: gpu\n", r"t.yaml:2: model.device: Expected `str` matching regex"),
         ("actors:\n  scheduler: {process: child, address: 'tcp://10.1.2.3:5000'}\n",
          r"t.yaml:2: actors.scheduler.address: tcp://10.1.2.3:5000 is not a loopback address"),
