@@ -1,9 +1,9 @@
 """Supervision trees with OTP semantics.
 
 A supervisor starts its children in order, waiting for each to report ready,
-and watches them (``start_together``: children that need nothing of each other
-start at once, and the supervisor is ready when all are; a start that fails
-cancels the others'). When one exits, its restart type decides whether it comes
+and watches them. A child marked ``with_previous`` starts at the same time as
+the one before it (for children that need nothing of each other to start);
+the next waits for both, and a start that fails cancels the others under way. When one exits, its restart type decides whether it comes
 back (``permanent``: always; ``transient``: only after a crash;
 ``temporary``: never) and the strategy decides which siblings go with it
 (``one_for_one``: none; ``one_for_all``: all; ``rest_for_one``: those started
@@ -67,6 +67,7 @@ class ChildSpec:
     start: Callable[[], Child]  # a fresh Child for every (re)start
     restart: Restart = Restart.PERMANENT
     shutdown: float = 5.0  # grace period between asking and cancelling
+    with_previous: bool = False  # starts together with the child before it, not after it
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,7 @@ class Supervisor:
     def __init__(self, name: str, children: Sequence[ChildSpec], *,
                  strategy: Strategy = Strategy.ONE_FOR_ONE, max_restarts: int = 3,
                  within: float = 5.0, backoff: Backoff = Backoff(),
-                 observer: Callable[[SupervisorEvent], None] | None = None,
-                 start_together: bool = False) -> None:
+                 observer: Callable[[SupervisorEvent], None] | None = None) -> None:
         names = [spec.name for spec in children]
         if len(set(names)) != len(names):
             raise ValueError(f"supervisor {name!r}: child names repeat: {names}")
@@ -131,7 +131,6 @@ class Supervisor:
         self.within = within
         self.backoff = backoff
         self.observer = observer
-        self.start_together = start_together
         self.restarts: dict[str, int] = {spec.name: 0 for spec in children}
         self._running: dict[str, _Running] = {}
         self._restart_times: list[float] = []
@@ -187,26 +186,32 @@ class Supervisor:
             self.observer(SupervisorEvent(self.name, child, kind, reason))
 
     async def _start_all(self, specs: list[ChildSpec]) -> None:
-        """Start ``specs`` in order, or all at once with ``start_together``; the first
-        failure (a ChildStartError) cancels the starts still under way."""
-        if not self.start_together or len(specs) < 2:
-            for spec in specs:
-                await self._start(spec)
-            return
-        failures: list[ChildStartError] = []
+        """Start ``specs`` in order; those marked ``with_previous`` together with the one
+        before. A failure (a ChildStartError) cancels the starts still under way."""
+        groups: list[list[ChildSpec]] = []
+        for spec in specs:
+            if spec.with_previous and groups:
+                groups[-1].append(spec)
+            else:
+                groups.append([spec])
+        for group in groups:
+            if len(group) == 1:
+                await self._start(group[0])
+                continue
+            failures: list[ChildStartError] = []
 
-        async def start(spec: ChildSpec) -> None:
-            try:
-                await self._start(spec)
-            except ChildStartError as exc:
-                failures.append(exc)
-                nursery.cancel_scope.cancel()
+            async def start(spec: ChildSpec) -> None:
+                try:
+                    await self._start(spec)
+                except ChildStartError as exc:
+                    failures.append(exc)
+                    nursery.cancel_scope.cancel()
 
-        async with trio.open_nursery() as nursery:
-            for spec in specs:
-                nursery.start_soon(start, spec)
-        if failures:
-            raise failures[0]
+            async with trio.open_nursery() as nursery:
+                for spec in group:
+                    nursery.start_soon(start, spec)
+            if failures:
+                raise failures[0]
 
     async def _start(self, spec: ChildSpec) -> None:
         running = _Running(spec, spec.start())

@@ -176,7 +176,7 @@ class Harness:
 
     def actor_spec(self, name: str, factory: Callable[[], Actor], address: str, *,
                    restart: Restart = Restart.PERMANENT, shutdown: float = 5.0,
-                   capacity: int = 64) -> ChildSpec:
+                   capacity: int = 64, with_previous: bool = False) -> ChildSpec:
         """A ChildSpec for an actor whose faults this harness can inject."""
         faults = self._faults.setdefault(name, ActorFaults())
         return ChildSpec(
@@ -184,6 +184,7 @@ class Harness:
             lambda: ActorChild(factory, address, self.hub, capacity=capacity, faults=faults),
             restart,
             shutdown,
+            with_previous,
         )
 
     async def start_supervisor(self, name: str, children: Sequence[ChildSpec],

@@ -11,6 +11,14 @@ neighbour slows them alike; the table gives the median of `--rounds`.
 `kernel` is `models.cpu_kernels.paged_decode_attention` (reads the pages
 in place; what the runner uses where it builds), compared with the
 bucketed path, the runner's fallback.
+
+A second table (`layouts`, kernel only) takes one cache per layer, as the
+runner has, and lays each row's pages out three ways: `shuffled`; the
+prompt side by side and then one page per decode step taken in turn by
+every row (`interleaved`: what taking pages one at a time gives); and
+every row's pages side by side (`side_by_side`: what the scheduler's
+read-ahead gives, `serving/managers/batching.py`). Its ratio is against
+`shuffled`, in the same round.
 """
 
 from __future__ import annotations
@@ -65,6 +73,48 @@ def kernel_step(q, k_cache, v_cache, table, lens, page_size, layers):
     return out
 
 
+LAYOUTS = ("shuffled", "interleaved", "side_by_side")
+
+
+def layout_table(batch: int, prompt: int, decoded: int, page_size: int, layout: str, generator) -> torch.Tensor:
+    """[batch, pages] page ids for rows of `prompt` + `decoded` tokens laid out as `layout`."""
+    per_row = pages_for(prompt + decoded, page_size)
+    total = batch * per_row
+    if layout == "shuffled":
+        return torch.randperm(total, generator=generator).view(batch, per_row).to(torch.int32)
+    if layout == "side_by_side":
+        return torch.arange(total).view(batch, per_row).to(torch.int32)
+    head = pages_for(prompt, page_size)
+    prompts = torch.arange(batch * head).view(batch, head)
+    steps = batch * head + torch.arange(batch * (per_row - head)).view(per_row - head, batch).t()
+    return torch.cat([prompts, steps], 1).to(torch.int32)
+
+
+def layout_ms(args, batch: int, generator) -> dict[str, float]:
+    """Median ms of the kernel over `args.layers` layers, each with its own cache, per layout."""
+    prompt, decoded = args.layout_contexts
+    rows = batch * pages_for(prompt + decoded, args.page_size) * args.page_size
+    caches = [(torch.randn(rows, KV_HEADS, HEAD_DIM, generator=generator).bfloat16(),
+               torch.randn(rows, KV_HEADS, HEAD_DIM, generator=generator).bfloat16()) for _ in range(args.layers)]
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).bfloat16()
+    lens = torch.full((batch,), prompt + decoded, dtype=torch.int32)
+    tables = {name: layout_table(batch, prompt, decoded, args.page_size, name, generator) for name in LAYOUTS}
+
+    def step(table):
+        for k, v in caches:
+            cpu_kernels.paged_decode_attention(q, k, v, table, lens, args.page_size, HEAD_DIM**-0.5)
+
+    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    for table in tables.values():
+        step(table)
+    for _ in range(args.rounds):
+        for name, table in tables.items():
+            start = time.perf_counter()
+            step(table)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median_ms(args, batch: int, contexts: list[int], generator) -> dict:
     """Median step ms of each path, and the largest differences of the outputs from the padded path's."""
     step = make_step(batch, contexts, args.page_size, generator)
@@ -94,9 +144,13 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--layout-contexts", default="128+52", metavar="PROMPT+DECODED",
+                        help="the rows of the layouts table: prompt tokens + tokens decoded since")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batches, args.equal, args.spread, args.rounds, args.layers = "4", 20, "1-40", 2, 2
+        args.layout_contexts = "16+8"
+    args.layout_contexts = tuple(int(n) for n in args.layout_contexts.split("+"))
     low, high = (int(n) for n in args.spread.split("-"))
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -119,7 +173,19 @@ def main(argv=None) -> int:
                 line += f" {kernel:>10.2f} {bucketed / kernel:>19.2f}"
             rows.append(row)
             print(line, file=sys.stderr)
-    result = {"rows": rows, "page_size": args.page_size, "rounds": args.rounds, "layers": args.layers,
+    layouts = []
+    if cpu_kernels.load():
+        print(f"\n{'batch':>5} {'context':>8} " + " ".join(f"{name + ' ms':>16}" for name in LAYOUTS)
+              + f" {'side by side vs shuffled':>25}", file=sys.stderr)
+        for batch in (int(b) for b in args.batches.split(",")):
+            ms = layout_ms(args, batch, generator)
+            layouts.append({"batch": batch, **{f"{name}_ms": round(t, 2) for name, t in ms.items()},
+                            "speedup": round(ms["shuffled"] / ms["side_by_side"], 2)})
+            print(f"{batch:>5} {'+'.join(map(str, args.layout_contexts)):>8} "
+                  + " ".join(f"{ms[name]:>16.2f}" for name in LAYOUTS)
+                  + f" {ms['shuffled'] / ms['side_by_side']:>25.2f}", file=sys.stderr)
+    result = {"rows": rows, "layouts": layouts, "layout_contexts": list(args.layout_contexts),
+              "page_size": args.page_size, "rounds": args.rounds, "layers": args.layers,
               "spread": args.spread, "equal": args.equal, "threads": torch.get_num_threads()}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

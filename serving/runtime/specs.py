@@ -53,12 +53,13 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
     else:
         detokenizer = lambda: ActorChild(  # noqa: E731
             lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)
-    return [ChildSpec("scheduler", scheduler, shutdown=grace), ChildSpec("detokenizer", detokenizer, shutdown=grace)]
+    together = topology.supervision.start == "together"  # they need nothing of each other to start
+    return [ChildSpec("scheduler", scheduler, shutdown=grace),
+            ChildSpec("detokenizer", detokenizer, shutdown=grace, with_previous=together)]
 
 
 def make_supervisor(topology: Topology, specs: list[ChildSpec],
                     observer: Callable[[SupervisorEvent], None], name: str = "server") -> Supervisor:
     s = topology.supervision
     return Supervisor(name, specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
-                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer,
-                      start_together=s.start == "together")
+                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)

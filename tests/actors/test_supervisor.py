@@ -39,10 +39,12 @@ async def test_children_start_in_order_each_awaited_ready(autojump_clock):
     assert [name for kind, name in log if kind == "stop"] == ["c", "b", "a"]
 
 
-def slow_starters(h, log, delays=(("a", 3.0), ("b", 1.0), ("c", 0.0)), failing=()):
+def slow_starters(h, log, delays=(("a", 3.0), ("b", 1.0), ("c", 0.0)), failing=(), together=("b", "c")):
+    """a, b, c ready after 3, 1 and 0 s; b and c marked to start with the one before them."""
     return [
         h.actor_spec(name, lambda name=name, delay=delay: Quitter("inproc://out", name, log, ready_after=delay,
-                                                                fail_start=name in failing), f"inproc://{name}")
+                                                                fail_start=name in failing), f"inproc://{name}",
+                     with_previous=name in together)
         for name, delay in delays
     ]
 
@@ -51,7 +53,7 @@ async def test_children_started_together_are_ready_with_the_slowest(autojump_clo
     log = []
     async with open_harness() as h:
         t0 = trio.current_time()
-        sup = await h.start_supervisor("sup", slow_starters(h, log), start_together=True)
+        sup = await h.start_supervisor("sup", slow_starters(h, log))
         assert trio.current_time() - t0 == pytest.approx(3.0)  # not 3 + 1 + 0
         assert starts(log) == ["c", "b", "a"]  # as each became ready
         assert sup.running() == ["a", "b", "c"]
@@ -60,12 +62,22 @@ async def test_children_started_together_are_ready_with_the_slowest(autojump_clo
     assert [name for kind, name in log if kind == "stop"] == ["c", "b", "a"]  # still in reverse order
 
 
+async def test_a_child_not_marked_waits_for_the_group_before_it(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        specs = slow_starters(h, log, delays=(("a", 1.0), ("b", 3.0), ("c", 2.0), ("d", 1.0)), together=("b", "d"))
+        t0 = trio.current_time()
+        await h.start_supervisor("sup", specs)
+        assert trio.current_time() - t0 == pytest.approx(3.0 + 2.0)  # (a with b), then (c with d)
+        assert starts(log) == ["a", "b", "d", "c"]
+
+
 async def test_a_start_failing_among_children_started_together_cancels_the_others(autojump_clock):
     log = []
     async with open_harness() as h:
         t0 = trio.current_time()
         with pytest.raises(ChildStartError, match="'b' failed to start"):
-            await h.start_supervisor("sup", slow_starters(h, log, failing=("b",)), start_together=True)
+            await h.start_supervisor("sup", slow_starters(h, log, failing=("b",)))
         assert trio.current_time() - t0 == pytest.approx(1.0)  # a's start (3 s) was not waited for
         assert "a" not in starts(log)
         assert [name for kind, name in log if kind == "stop"] == ["c"]  # the one that was up is stopped
@@ -74,8 +86,7 @@ async def test_a_start_failing_among_children_started_together_cancels_the_other
 async def test_children_started_together_restart_together(autojump_clock):
     log = []
     async with open_harness() as h:
-        sup = await h.start_supervisor("sup", slow_starters(h, log), start_together=True,
-                                       strategy=Strategy.ONE_FOR_ALL)
+        sup = await h.start_supervisor("sup", slow_starters(h, log), strategy=Strategy.ONE_FOR_ALL)
         log.clear()
         await h.send("inproc://b", Boom())
         await h.wait_event(lambda e: e.kind == "crashed")

@@ -22,3 +22,8 @@ def test_bench_attention_smoke_writes_its_json(tmp_path):
         if shutil.which("c++"):  # the C++ kernel, where it can be built
             assert row["kernel_ms"] > 0 and row["kernel_speedup"] > 0 and row["kernel_max_abs_diff"] < 2e-2
     assert result["page_size"] == 4 and "speedup" in run.stderr
+    if shutil.which("c++"):
+        [layouts] = result["layouts"]
+        assert layouts["batch"] == 4 and layouts["speedup"] > 0
+        assert all(layouts[f"{name}_ms"] > 0 for name in ("shuffled", "interleaved", "side_by_side"))
+        assert "side by side vs shuffled" in run.stderr
