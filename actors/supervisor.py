@@ -3,14 +3,15 @@
 A supervisor starts its children in order, waiting for each to report ready,
 and watches them. A child marked ``with_previous`` starts at the same time as
 the one before it (for children that need nothing of each other to start);
-the next waits for both, and a start that fails cancels the others under way. When one exits, its restart type decides whether it comes
-back (``permanent``: always; ``transient``: only after a crash;
-``temporary``: never) and the strategy decides which siblings go with it
-(``one_for_one``: none; ``one_for_all``: all; ``rest_for_one``: those started
-after it). More than ``max_restarts`` restarts within ``within`` seconds and
-the supervisor stops every child and fails upward with
-RestartIntensityExceeded. Children stop in reverse order: asked first, then
-cancelled when their grace period runs out.
+the next waits for both, and a start that fails cancels the others under way.
+When one exits, its restart type decides whether it comes back
+(``permanent``: always; ``transient``: only after a crash; ``temporary``:
+never) and the strategy decides which siblings go with it (``one_for_one``:
+none; ``one_for_all``: all; ``rest_for_one``: those started after it). More
+than ``max_restarts`` restarts within ``within`` seconds and the supervisor
+stops every child and fails upward with RestartIntensityExceeded. Children
+stop in reverse order: asked first, then cancelled when their grace period
+runs out.
 
 A child is anything with ``async run(*, task_status)`` (report ready with
 ``task_status.started()``, return for a normal exit, raise for a crash) and

@@ -69,7 +69,7 @@ class KVCache:
         sequence growing in place), else the lowest run of `n` free pages (looked for near
         the bottom of the pool only, so the cost stays bounded in a big pool), else the
         lowest `n` free pages. Decode attention reads each sequence's pages in order, and
-        rows adjacent in memory read ~1.4x faster than scattered ones (CPU, page size 1).
+        rows adjacent in memory read 1.2-1.5x faster than scattered ones (CPU, page size 1).
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")

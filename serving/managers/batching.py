@@ -355,7 +355,7 @@ class BatchState:
 
         A few pages more are taken while the pool has room (``_ahead``), so that the
         tokens a request decodes one a step lie side by side in the cache: decode
-        attention reads each row's context, and scattered rows read ~1.4x slower."""
+        attention reads each row's context, and scattered rows read 1.2-1.5x slower."""
         wanted = self.kv.pages_for(req.num_kv + n) - len(req.pages)
         if wanted <= 0:
             return True
