@@ -10,11 +10,15 @@ whether its prefix was computed now or taken from the cache (K/V are
 always read back from the cache, after the step's own are stored).
 
 Why each piece is invariant on CPU (measured with torch 2.13, see the
-tests): the two products are batched GEMMs whose M and K dimensions are
-fixed (split x head_dim, head_dim x split) and whose N is the number of
-query columns; MKL's results per column do not depend on N as long as the
-call is not a 1-column matrix-vector product (so a lone column is padded
-to two). Softmax statistics reduce over one contiguous split row; `exp`
+tests): the two products are batched GEMMs of one fixed shape, split x
+head_dim x COL_TILE and head_dim x split x COL_TILE: a group's query columns
+are padded to whole tiles of COL_TILE and every tile is one item of the
+batch. A column's result then depends only on its own query and keys:
+the items are independent, and within a tile MKL gives every column
+position the same bits. (Letting N be the number of query columns held on
+a Xeon, but on an AMD EPYC, with the same torch and MKL, a column's scores
+changed with N: 2, 3, 4 and 8 columns agreed, 6, 12 and 16+ did not.)
+Softmax statistics reduce over one contiguous split row; `exp`
 is vectorised without a scalar tail; max, masking and the fold's
 multiply-adds are exact per element. A split wholly masked for a query
 (a decode row shorter than its group's longest) leaves it exactly as it was.
@@ -34,6 +38,7 @@ import torch
 from .kv_cache import pages_for
 
 DEFAULT_SPLIT = 64  # keys per split; the triton kernel's BLOCK_N
+COL_TILE = 8  # query columns per GEMM item (the module docstring)
 
 
 @dataclass
@@ -121,23 +126,32 @@ def _split(qt, keys, values, valid, kv_heads: int, g: int):
     per column its max score, sum of exp(score - max) and exp-weighted values [B, kv_heads, d, m]."""
     batch, _, d, m = qt.shape
     split = keys.shape[1]
-    pad = m == 1  # a one-column product would be a matrix-vector kernel with other rounding
-    if pad:
-        qt = torch.cat([qt, qt], dim=-1)
-    width = qt.shape[-1]
+    tiles = -(-m // COL_TILE)
+    width = tiles * COL_TILE
     items = batch * kv_heads
-    k = torch.empty(batch, kv_heads, split, d, device=qt.device).copy_(keys.permute(0, 2, 1, 3))
-    vt = torch.empty(batch, kv_heads, d, split, device=qt.device).copy_(values.permute(0, 2, 3, 1))
-    scores = torch.bmm(k.view(items, split, d), qt.reshape(items, d, width))
-    scores = scores.view(batch, kv_heads, split, width).transpose(-1, -2).contiguous()
+    if width != m:  # padded with zero queries, every key valid for them (dropped at the end)
+        qt = torch.cat([qt, qt.new_zeros(batch, kv_heads, d, width - m)], dim=-1)
+    # [items * tiles, d, COL_TILE]: one GEMM item per tile of query columns
+    q_tiles = qt.reshape(items, d, tiles, COL_TILE).permute(0, 2, 1, 3).reshape(items * tiles, d, COL_TILE)
+    k = torch.empty(batch, kv_heads, tiles, split, d, device=qt.device).copy_(
+        keys.permute(0, 2, 1, 3)[:, :, None].expand(batch, kv_heads, tiles, split, d))
+    vt = torch.empty(batch, kv_heads, tiles, d, split, device=qt.device).copy_(
+        values.permute(0, 2, 3, 1)[:, :, None].expand(batch, kv_heads, tiles, d, split))
+    scores = torch.bmm(k.view(items * tiles, split, d), q_tiles)  # [items * tiles, split, COL_TILE]
+    scores = scores.view(batch, kv_heads, tiles, split, COL_TILE).permute(0, 1, 2, 4, 3)
+    # .contiguous(): with one tile the reshape is a transposed view, and MKL rounds a product
+    # differently by its operands' memory layout: every call gets the same layouts
+    scores = scores.reshape(batch, kv_heads, width, split).contiguous()
     mask = valid[:, None, :, None, :].expand(batch, kv_heads, valid.shape[1], g, split)
     mask = mask.reshape(batch, kv_heads, m, split)
-    if pad:
-        mask = torch.cat([mask, mask], dim=-2)
+    if width != m:
+        mask = torch.cat([mask, mask.new_ones(batch, kv_heads, width - m, split)], dim=-2)
     scores.masked_fill_(~mask, float("-inf"))
     part_max = scores.amax(dim=-1, keepdim=True)  # -inf where the split is wholly masked
     weights = (scores - part_max.masked_fill(part_max == float("-inf"), 0.0)).exp_()
     part_sum = weights.sum(dim=-1)
-    part_out = torch.bmm(vt.view(items, d, split), weights.view(items, width, split).transpose(1, 2))
-    part_out = part_out.view(batch, kv_heads, d, width)
+    w_tiles = weights.view(items * tiles, COL_TILE, split).transpose(1, 2).contiguous()  # [.., split, COL_TILE]
+    part_out = torch.bmm(vt.view(items * tiles, d, split), w_tiles)  # [items * tiles, d, COL_TILE]
+    part_out = part_out.view(batch, kv_heads, tiles, d, COL_TILE).permute(0, 1, 3, 2, 4)
+    part_out = part_out.reshape(batch, kv_heads, d, width)
     return part_max[..., 0][..., :m], part_sum[..., :m], part_out[..., :m]
