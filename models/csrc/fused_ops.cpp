@@ -1,4 +1,4 @@
-// Fused elementwise steps of a decoder layer, on CPU: one pass over the
+// Fused elementwise steps of a decoder layer, on CPU (vector paths from vec.h: AVX-512 or AVX2): one pass over the
 // rows where eager torch takes 5-10 ops (each a dispatch and a trip
 // through memory). Each keeps the roundings of the eager ops it replaces
 // (model-dtype results of fp32 math), so results match them closely.
@@ -48,29 +48,20 @@ void over_rows(int64_t rows, int64_t width, const F& f) {
   });
 }
 
-#if defined(__AVX512F__)
-template <typename T>
-inline __m512 round16(__m512 x) {  // through the model dtype and back, in registers
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return round_bf16(x);
-  } else {
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
-}
+#if TERCET_VEC
+constexpr int L = vec::kLanes;
 
-// one head of rope, D = 16 * C with C even: rotated[c] = -x[c + C/2] for c < C/2, else x[c - C/2]
+// one head of rope, D = L * C with C even: rotated[c] = -x[c + C/2] for c < C/2, else x[c - C/2]
 template <typename T, int C>
-inline void rope_head16(const T* x, const T* cos, const T* sin, T* out) {
-  __m512 v[C];
-  for (int c = 0; c < C; ++c) v[c] = load16(x + 16 * c);
-  const __m512 zero = _mm512_setzero_ps();
+inline void rope_head_vec(const T* x, const T* cos, const T* sin, T* out) {
+  vec::vf v[C];
+  for (int c = 0; c < C; ++c) v[c] = vec::load(x + L * c);
+  const vec::vf zero = vec::zero();
   for (int c = 0; c < C; ++c) {
-    const __m512 rotated = c < C / 2 ? _mm512_sub_ps(zero, v[c + C / 2]) : v[c - C / 2];
-    const __m512 a = round16<T>(_mm512_mul_ps(v[c], load16(cos + 16 * c)));
-    const __m512 b = round16<T>(_mm512_mul_ps(rotated, load16(sin + 16 * c)));
-    store16(out + 16 * c, _mm512_add_ps(a, b));
+    const vec::vf rotated = c < C / 2 ? vec::sub(zero, v[c + C / 2]) : v[c - C / 2];
+    const vec::vf a = vec::round_to<T>(vec::mul(v[c], vec::load(cos + L * c)));
+    const vec::vf b = vec::round_to<T>(vec::mul(rotated, vec::load(sin + L * c)));
+    vec::store(out + L * c, vec::add(a, b));
   }
 }
 #endif
@@ -81,17 +72,17 @@ void add_rms_norm_rows(T* x, const T* delta, const T* weight, T* h, int64_t rows
     T* xr = x + r * n;
     const T* dr = delta + r * n;
     T* hr = h + r * n;
-#if defined(__AVX512F__)
-    if (n % 16 == 0) {
-      __m512 sum16 = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; i += 16) {
-        const __m512 v = round16<T>(_mm512_add_ps(load16(xr + i), load16(dr + i)));
-        store16(xr + i, v);
-        sum16 = _mm512_fmadd_ps(v, v, sum16);
+#if TERCET_VEC
+    if (n % L == 0) {
+      vec::vf sum = vec::zero();
+      for (int64_t i = 0; i < n; i += L) {
+        const vec::vf v = vec::round_to<T>(vec::add(vec::load(xr + i), vec::load(dr + i)));
+        vec::store(xr + i, v);
+        sum = vec::fmadd(v, v, sum);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum16) / static_cast<float>(n) + eps));
-      for (int64_t i = 0; i < n; i += 16) {
-        store16(hr + i, _mm512_mul_ps(load16(weight + i), round16<T>(_mm512_mul_ps(load16(xr + i), inv))));
+      const vec::vf inv = vec::set1(1.f / std::sqrt(vec::reduce_add(sum) / static_cast<float>(n) + eps));
+      for (int64_t i = 0; i < n; i += L) {
+        vec::store(hr + i, vec::mul(vec::load(weight + i), vec::round_to<T>(vec::mul(vec::load(xr + i), inv))));
       }
       return;
     }
@@ -115,13 +106,13 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
     const T* g = gate_up + r * 2 * n;
     const T* u = g + n;
     T* o = out + r * n;
-#if defined(__AVX512F__)
-    if (n % 16 == 0) {
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (int64_t i = 0; i < n; i += 16) {
-        const __m512 a = load16(g + i);
-        const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-        store16(o + i, _mm512_mul_ps(round16<T>(silu), load16(u + i)));
+#if TERCET_VEC
+    if (n % L == 0) {
+      const vec::vf one = vec::set1(1.f);
+      for (int64_t i = 0; i < n; i += L) {
+        const vec::vf a = vec::load(g + i);
+        const vec::vf silu = vec::div(a, vec::add(one, vec::exp(vec::sub(vec::zero(), a))));
+        vec::store(o + i, vec::mul(vec::round_to<T>(silu), vec::load(u + i)));
       }
       return;
     }
@@ -145,9 +136,9 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_
     for (int64_t head = 0; head < heads + kv_heads; ++head) {
       const T* x = row + head * dim;
       T* o = head < heads ? q_out + (r * heads + head) * dim : k_out + (r * kv_heads + head - heads) * dim;
-#if defined(__AVX512F__)
+#if TERCET_VEC
       if (dim == 64 || dim == 128) {
-        dim == 64 ? rope_head16<T, 4>(x, c, s, o) : rope_head16<T, 8>(x, c, s, o);
+        dim == 64 ? rope_head_vec<T, 64 / L>(x, c, s, o) : rope_head_vec<T, 128 / L>(x, c, s, o);
         if (head >= heads) std::copy(o, o + dim, k_cache + (slot * kv_heads + head - heads) * dim);
         continue;
       }
@@ -186,22 +177,24 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
       float top = -INFINITY;
       int64_t at = 0;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      if (n >= 16) {
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i where = _mm512_setzero_si512();
-        __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i step = _mm512_set1_epi32(16);
-        for (; i + 16 <= n; i += 16) {
-          const __m512 v = _mm512_loadu_ps(row + i);
-          const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first
-          best = _mm512_mask_mov_ps(best, more, v);
-          where = _mm512_mask_mov_epi32(where, more, lane);
-          lane = _mm512_add_epi32(lane, step);
+#if TERCET_VEC
+      if (n >= L) {
+        vec::vf best = vec::set1(-INFINITY);
+        vec::vi where = vec::lane_index(), lane = vec::lane_index();
+        for (; i + L <= n; i += L) {
+          const vec::vf v = vec::load(row + i);
+          const vec::vm more = vec::greater(v, best);  // strictly: a lane keeps its first maximum
+          best = vec::select(more, best, v);
+          where = vec::select(more, where, lane);
+          lane = vec::add_int(lane, L);
         }
-        top = _mm512_reduce_max_ps(best);
-        const __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        at = _mm512_mask_reduce_min_epi32(tied, where);  // the first of the lanes' first maxima
+        float lane_best[L];
+        int32_t lane_at[L];
+        vec::store(lane_best, best);
+        vec::store(lane_at, where);
+        for (int j = 0; j < L; ++j) {  // the first of the lanes' first maxima
+          if (lane_best[j] > top || (lane_best[j] == top && lane_at[j] < at)) top = lane_best[j], at = lane_at[j];
+        }
         if (top == -INFINITY) at = 0;
       }
 #endif
@@ -211,11 +204,11 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
       index[r] = at;
       float sum = 0.f;
       i = 0;
-#if defined(__AVX512F__)
-      const __m512 m = _mm512_set1_ps(top);
-      __m512 sum16 = _mm512_setzero_ps();
-      for (; i + 16 <= n; i += 16) sum16 = _mm512_add_ps(sum16, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), m)));
-      sum = _mm512_reduce_add_ps(sum16);
+#if TERCET_VEC
+      const vec::vf m = vec::set1(top);
+      vec::vf lanes = vec::zero();
+      for (; i + L <= n; i += L) lanes = vec::add(lanes, vec::exp(vec::sub(vec::load(row + i), m)));
+      sum = vec::reduce_add(lanes);
 #endif
       for (; i < n; ++i) sum += std::exp(row[i] - top);
       lse[r] = top + std::log(sum);

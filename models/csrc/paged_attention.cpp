@@ -10,7 +10,7 @@
 // q [B, H, D], k_cache / v_cache [S, KVH, D], page_table [B, P] int32,
 // context_lens [B] int32 -> out [B, H, D]. The H / KVH query heads of a
 // group read their kv head together; scores, softmax and sums are fp32.
-// With AVX-512 and D a multiple of 16 (up to 256) a vector path runs,
+// With AVX-512 or AVX2 (vec.h) and D = 64, 128 or 256 a vector path runs,
 // else a portable one.
 
 #include <ATen/Parallel.h>
@@ -78,87 +78,89 @@ void attend_pair(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] / total[g]);
 }
 
-#if defined(__AVX512F__)
+template <typename T>
+using PairFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, T*, const Shape&, int64_t,
+                        std::vector<float>&);
+
+#if TERCET_VEC
 constexpr int kAhead = 16;  // keys prefetched ahead: the hardware misses the per-head stride
+constexpr int L = vec::kLanes;
 
 template <typename T>
 inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
 }
-// kv head h of token t's cache slot as C vectors of 16 floats; prefetches the slot kAhead on
+// kv head h of token t's cache slot as C vectors of L floats; prefetches the slot kAhead on
 template <typename T, int C>
 inline void load_head(const T* cache, const int32_t* pages, int64_t t, int64_t len, const Shape& s, int64_t h,
-                      __m512 (&out)[C]) {
-  const int64_t stride = s.kv_heads * C * 16;
-  const T* x = cache + slot_of(pages, t, s.page_size) * stride + h * C * 16;
-  if (t + kAhead < len) prefetch(cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * 16, C * 16);
-  for (int c = 0; c < C; ++c) out[c] = load16(x + c * 16);
+                      vec::vf (&out)[C]) {
+  const int64_t stride = s.kv_heads * C * L;
+  const T* x = cache + slot_of(pages, t, s.page_size) * stride + h * C * L;
+  if (t + kAhead < len) prefetch(cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * L, C * L);
+  for (int c = 0; c < C; ++c) out[c] = vec::load(x + c * L);
 }
 
 constexpr int kMaxGroup = 16;   // query heads per kv head
 
 template <typename T, int C>
-void attend_pair_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len,
-                        T* out, const Shape& s, int64_t h, std::vector<float>& scores) {
+void attend_pair_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len,
+                     T* out, const Shape& s, int64_t h, std::vector<float>& scores) {
+  using namespace vec;
   const int64_t group = s.heads / s.kv_heads;
-  const int64_t padded = (len + 15) / 16 * 16;
+  const int64_t padded = (len + L - 1) / L * L;
   scores.resize(group * padded);
-  __m512 query[kMaxGroup][C];
+  vf query[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c) query[g][c] = _mm512_mul_ps(load16(q + g * C * 16 + c * 16), _mm512_set1_ps(s.scale));
+    for (int c = 0; c < C; ++c) query[g][c] = mul(load(q + g * C * L + c * L), set1(s.scale));
   for (int64_t t = 0; t < len; ++t) {
-    __m512 key[C];
+    vf key[C];
     load_head<T, C>(k_cache, pages, t, len, s, h, key);
     for (int64_t g = 0; g < group; ++g) {
-      __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
-      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[g][c], key[c], dot);
-      scores[g * padded + t] = _mm512_reduce_add_ps(dot);
+      vf dot = mul(query[g][0], key[0]);
+      for (int c = 1; c < C; ++c) dot = fmadd(query[g][c], key[c], dot);
+      scores[g * padded + t] = reduce_add(dot);
     }
   }
   float total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores.data() + g * padded;
     std::fill(row + len, row + padded, -INFINITY);
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < padded; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
-      _mm512_storeu_ps(row + t, e);
-      sum = _mm512_add_ps(sum, e);
+    vf top = set1(-INFINITY);
+    for (int64_t t = 0; t < padded; t += L) top = max(top, load(row + t));
+    const vf m = set1(reduce_max(top));
+    vf sum = zero();
+    for (int64_t t = 0; t < padded; t += L) {
+      const vf e = vec::exp(sub(load(row + t), m));
+      store(row + t, e);
+      sum = add(sum, e);
     }
-    total[g] = _mm512_reduce_add_ps(sum);
+    total[g] = reduce_add(sum);
   }
-  __m512 acc[kMaxGroup][C];
+  vf acc[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = zero();
   for (int64_t t = 0; t < len; ++t) {
-    __m512 value[C];
+    vf value[C];
     load_head<T, C>(v_cache, pages, t, len, s, h, value);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, value[c], acc[g][c]);
+      const vf p = set1(scores[g * padded + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = fmadd(p, value[c], acc[g][c]);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
-    for (int c = 0; c < C; ++c) store16(out + g * C * 16 + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    const vf inv = set1(1.f / total[g]);
+    for (int c = 0; c < C; ++c) store(out + g * C * L + c * L, mul(acc[g][c], inv));
   }
 }
-
-template <typename T>
-using PairFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, T*, const Shape&, int64_t,
-                        std::vector<float>&);
 
 template <typename T>
 PairFn<T> vector_path(int64_t dim, int64_t group) {
   if (group > kMaxGroup) return nullptr;
   switch (dim) {
-    case 64: return attend_pair_avx512<T, 4>;
-    case 128: return attend_pair_avx512<T, 8>;
-    case 256: return attend_pair_avx512<T, 16>;
+    case 64: return attend_pair_vec<T, 64 / L>;
+    case 128: return attend_pair_vec<T, 128 / L>;
+    case 256: return attend_pair_vec<T, 256 / L>;
     default: return nullptr;
   }
 }

@@ -35,7 +35,7 @@ def _paged(batch, heads, kv_heads, dim, lens, page_size, dtype, seed=0):
     return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
 
 
-CASES = [  # (heads, kv_heads, head_dim, page_size): the AVX-512 path (64, 128) and the portable one (48)
+CASES = [  # (heads, kv_heads, head_dim, page_size): the vector path (64, 128, 256) and the portable one (48)
     (9, 3, 64, 1), (9, 3, 64, 16), (4, 4, 128, 4), (8, 2, 48, 1), (2, 1, 256, 8),
 ]
 
@@ -132,7 +132,7 @@ def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("width", [576, 40])  # the AVX-512 path (a multiple of 16) and the portable one
+@pytest.mark.parametrize("width", [576, 44])  # the vector path (a multiple of 16 and of 8) and the portable one
 def test_fused_ops_give_the_eager_ops_bits(kernels, dtype, width):
     """add + norm, silu * up and rope + store as layers.py's eager ops compute them: the adds,
     rotations and stores bit for bit, the norm and silu within a few roundings of the dtype (their
@@ -155,7 +155,7 @@ def test_fused_ops_give_the_eager_ops_bits(kernels, dtype, width):
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=2 * ulp, rtol=2 * ulp)
 
-    heads, kv_heads, dim = 6, 2, 64 if width % 16 == 0 else 10  # 64: the AVX-512 rope
+    heads, kv_heads, dim = 6, 2, 64 if width % 16 == 0 else 10  # 64: the vector rope
     qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=g).to(dtype)
     angles = torch.rand(rows, dim // 2, generator=g) * 50
     cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
