@@ -3,8 +3,9 @@
     python -m benchmarks.bench_model [--smoke] [--json PATH] [--deterministic]
 
 Each row decodes `--new-tokens` greedy tokens for `batch` prompts of equal
-length, end to end (prefill included) in both engines, bf16 on CPU unless
-told otherwise. transformers runs its padded `generate` with its default
+length, end to end (prefill included) in both engines, in the dtype the
+server would pick on this CPU (`--dtype auto`: bf16 with native bf16
+units, else fp32) unless told otherwise. transformers runs its padded `generate` with its default
 cache. `--deterministic` adds a column for the runner's deterministic
 (batch-invariant) mode and its ratio to the default mode. `--smoke` uses
 the tiny random model and finishes in seconds.
@@ -22,7 +23,7 @@ import torch
 
 from models.kv_cache import DEFAULT_BUDGET_BYTES
 from models.loading import load_model, tiny_model, to_transformers
-from models.runner import ModelRunner, SeqInput, generate
+from models.runner import ModelRunner, SeqInput, default_dtype, generate
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="auto: what the server picks on this CPU (runner.default_dtype)")
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2)")
     parser.add_argument("--deterministic", action="store_true",
                         help="also measure ModelRunner(deterministic=True)")
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
         args.batches, args.new_tokens, args.prefill_len = "1,4", 8, 64
+    if args.dtype == "auto":
+        args.dtype = {v: k for k, v in DTYPES.items()}[default_dtype(torch.device("cpu"))]
     dtype = DTYPES[args.dtype]
     loaded = tiny_model() if args.smoke else load_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]

@@ -47,9 +47,13 @@ class Linear:
     W 3072 x 576: 114 us vs 54 us prepacked at 1 row, 217 vs 121 at 64). With
     `packed`, W is reordered once, at load, for `PACK_ROWS`-row products, and the
     plain W is not kept (`dense()` rebuilds it). Up to a few hundred rows the
-    products are bitwise those of `F.linear` (`packing_pays` checks 1-200 rows on
-    the machine at start-up); past ~500 rows oneDNN may pick other kernels for the
-    two and they round differently. At 512-2048 rows (serving's prefill chunks, 2048
+    bf16 products are bitwise those of `F.linear` (`packing_pays` checks 1-200 rows
+    on the machine at start-up); past ~500 rows oneDNN may pick other kernels for
+    the two and they round differently. In fp32 `F.linear` is MKL's sgemm, which on
+    an AVX2-only AMD EPYC ran at half oneDNN's speed from 8 rows up (W 3072 x 576:
+    0.50 vs 0.26 ms at 8 rows, 1.92 vs 1.51 at 64; a SmolLM2 decode step 112 -> 53 ms
+    at batch 8, 261 -> 204 at 64): there the packed products equal `F.linear`'s up
+    to summation order, and `packing_pays` times them the same way. At 512-2048 rows (serving's prefill chunks, 2048
     by default) which is faster depends on the shape and the day: the AMX machine once
     measured SmolLM2's projections even, later o_proj and down_proj 1.6-1.9x slower
     packed at 512 rows; an AVX512-BF16 machine without AMX measured F.linear faster
@@ -100,10 +104,13 @@ class Linear:
 
 @functools.lru_cache(maxsize=None)
 def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> bool:
-    """Whether prepacked weights (`Linear(packed=True)`) serve this machine: CPU bf16 only,
-    when the oneDNN op exists, gives `F.linear`'s bits at 1 to 200 rows, and is not slower
-    at 1 and 64 rows (timed on a weight of `shape`, a few ms; decided once per process)."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """Whether prepacked weights (`Linear(packed=True)`) serve this machine: on CPU, in bf16 or
+    fp32, when the oneDNN op exists, gives `F.linear`'s products at 1 to 200 rows (bf16: its bits,
+    both being oneDNN's; fp32: within fp32 rounding, `F.linear` being MKL's sgemm), and is not
+    slower at 1 and 64 rows (timed on a weight of `shape`, a few ms; decided once per process)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         generator = torch.Generator().manual_seed(0)
@@ -112,8 +119,9 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
         linear, biased = Linear(weight, packed=True), Linear(weight, bias, packed=True)
         for rows in (1, 7, 32, 64, 200):
             x = torch.randn(rows, shape[1], generator=generator).to(dtype)
-            if not (torch.equal(linear(x), F.linear(x, weight)) and torch.equal(biased(x), F.linear(x, weight, bias))):
-                return False
+            for ours, theirs in ((linear(x), F.linear(x, weight)), (biased(x), F.linear(x, weight, bias))):
+                if not _same_product(ours, theirs):
+                    return False
         for rows in (1, 64):
             x = torch.randn(rows, shape[1], generator=generator).to(dtype)
             packed, plain = _best_seconds(lambda: linear(x), lambda: F.linear(x, weight))
@@ -122,6 +130,14 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
     except RuntimeError:  # a torch built without the op, or a CPU it refuses
         return False
     return True
+
+
+def _same_product(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """bf16: the same bits; fp32: the same up to summation order (1e-5 of the largest |value|:
+    at K = 576 the two kernels differ by ~1e-6 of it here)."""
+    if ours.dtype != torch.float32:
+        return torch.equal(ours, theirs)
+    return bool((ours - theirs).abs().max() <= 1e-5 * theirs.abs().max().clamp_min(1.0))
 
 
 DENSE_ROWS = 512  # from here on a product may go through the plain weight (Linear's keep_dense)

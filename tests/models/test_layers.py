@@ -1,4 +1,5 @@
-"""Projections and norms (models.layers): prepacked weights give F.linear's bits or are not used; the norm gives transformers' bits."""
+"""Projections and norms (models.layers): prepacked weights give F.linear's products (bf16: its bits) or are
+not used; the norm gives transformers' bits."""
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_a_packed_projection_keeping_its_dense_weight_uses_it_for_prefill_sized_
 
 
 def test_dense_weights_are_kept_only_beside_packed_ones():
-    assert not dense_pays(torch.float32, CPU, (96, 80))
+    assert not dense_pays(torch.float16, CPU, (96, 80))
     assert not dense_pays(torch.bfloat16, torch.device("meta"), (96, 80))
 
 
@@ -66,9 +67,37 @@ def test_plain_copies_stay_within_their_memory_budget(tiny_llama, monkeypatch):
     assert model.lm_head.weight is None  # the head's products are rows that sample: packed only
 
 
-def test_packing_is_only_for_bf16_on_cpu():
-    assert not packing_pays(torch.float32, CPU)
+def test_packing_is_only_for_bf16_and_fp32_on_cpu():
+    assert not packing_pays(torch.float16, CPU)
     assert not packing_pays(torch.bfloat16, torch.device("meta"))
+    assert not packing_pays(torch.float32, torch.device("meta"))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("rows", [1, 5, 31, 33, 64, 129, 200, DENSE_ROWS + 1])
+def test_a_packed_fp32_projection_gives_f_linear_products(rows):
+    """oneDNN's fp32 products against MKL's: the same up to summation order, bias included."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 80, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(rows, 80, generator=generator)
+    for b in (None, bias):
+        packed = Linear(weight, b, packed=True)
+        assert packed.weight is None and torch.equal(packed.dense(), weight)
+        torch.testing.assert_close(packed(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x, tile=32), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_products_may_differ_by_summation_order_bf16_ones_not_at_all():
+    from models.layers import _same_product
+
+    base = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 30
+    top = base.abs().max()
+    assert _same_product(base, base + 0.5e-5 * top)
+    assert not _same_product(base, base + 2e-5 * top)  # a wrong kernel, not a rounding
+    assert _same_product(base.bfloat16(), base.bfloat16())
+    nudged = base.bfloat16()
+    nudged[0, 0] = nudged[0, 0] * 2  # one value off: bf16 products must agree bit for bit
+    assert not _same_product(base.bfloat16(), nudged)
 
 
 @pytest.mark.skipif(not (cpu_has_bf16() and torch.backends.mkldnn.is_available()), reason="no bf16 units")
@@ -76,9 +105,10 @@ def test_packing_pays_on_a_cpu_with_bf16_units():
     assert packing_pays(torch.bfloat16, CPU)
 
 
-def test_the_runner_packs_where_it_pays_and_not_for_fp32(tiny_llama):
+def test_the_runner_packs_where_it_pays(tiny_llama):
     assert ModelRunner(tiny_llama, dtype=torch.bfloat16).model.packed == packing_pays(torch.bfloat16, CPU)
-    assert not ModelRunner(tiny_llama, dtype=torch.float32).model.packed
+    assert ModelRunner(tiny_llama, dtype=torch.float32).model.packed == packing_pays(torch.float32, CPU)
+    assert not ModelRunner(tiny_llama, dtype=torch.float16).model.packed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
