@@ -81,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--max-request-bytes", help="a larger request body gets 413 (default 32MiB)")
     serve_p.add_argument("--weights-root", action="append",
                          help="a directory /update_weights_from_disk may load from (besides the model's own); repeatable")
-    serve_p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    serve_p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
     serve_p.add_argument("--device", help="auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N")
     serve_p.add_argument("--max-running-requests", type=int)
     serve_p.add_argument("--max-queued-requests", type=int)

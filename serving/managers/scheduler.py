@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # a path; None = the embedded SmolLM2; "tiny" = a tiny random model
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: the fastest for the device (models.runner.default_dtype)
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when torch sees a GPU)
     page_size: int = 1
     kv_budget_bytes: int = 1 << 30
@@ -72,9 +72,14 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     loaded = tiny_model() if config.model == "tiny" else load_model(config.model)
-    return ModelRunner(loaded, dtype=getattr(torch, config.dtype), device=resolve_device(config.device),
-                       page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
-                       deterministic=config.deterministic)
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    runner = ModelRunner(loaded, dtype=dtype, device=resolve_device(config.device),
+                         page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
+                         deterministic=config.deterministic)
+    log.info("model runner: %s (dtype %s), %s, %d threads%s%s", runner.dtype, config.dtype, runner.device,
+             torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "",
+             ", prepacked weights" if runner.model.packed else "")
+    return runner
 
 
 def resolve_device(device: str) -> str:

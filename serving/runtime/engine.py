@@ -64,7 +64,7 @@ def topology_for(model: str | None, *, processes: bool = False, **scheduler_opti
     where = "child" if processes else "main"
     scheme = "ipc://{runtime_dir}/" if processes else "inproc://"
     kv = scheduler_options.pop("kv_budget_bytes", None)
-    dtype = scheduler_options.pop("dtype", "bfloat16")
+    dtype = scheduler_options.pop("dtype", "auto")
     device = scheduler_options.pop("device", "auto")
     scheduler = msgspec.convert(scheduler_options, SchedulerSection)
     if kv is not None:

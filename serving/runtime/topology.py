@@ -40,7 +40,9 @@ class TopologyError(ValueError):
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None  # None: the embedded SmolLM2; "tiny": a tiny random model (tests)
     tokenizer: str | None = None  # default: the model's
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # auto: bfloat16 on CUDA and on CPUs with bf16 units (AVX512-BF16, AMX), else float32 (an AVX2-only
+    # CPU emulates bf16 products: 2-4x slower there; models.runner.default_dtype)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # auto: the first CUDA device when torch sees one (in the scheduler's process), else the CPU
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     served_model_name: str | None = None

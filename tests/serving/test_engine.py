@@ -21,9 +21,7 @@ def random_prompts(n, seed=0, lengths=(4, 40)):
 
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_loaded):
-    import torch
-
-    return ModelRunner(tiny_loaded, dtype=torch.bfloat16)
+    return ModelRunner(tiny_loaded)  # the engine's default dtype (auto)
 
 
 @pytest.mark.parametrize("processes", [False, True], ids=["inproc", "ipc"])

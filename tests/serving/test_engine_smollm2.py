@@ -60,7 +60,7 @@ def smollm2():
 
     prompts = [chat_ids(q) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) == len(prompts)
-    runner = ModelRunner(loaded, dtype=torch.bfloat16)  # the scheduler's default dtype
+    runner = ModelRunner(loaded)  # the scheduler's default dtype (auto: bf16 with bf16 units, else fp32)
     expected = [in_thread(generate, runner, [p], NEW_TOKENS)[0] for p in prompts]
     return {"prompts": prompts, "expected": expected, "chat_ids": chat_ids}
 

@@ -46,12 +46,11 @@ async def server(nursery):
 
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_loaded):
-    """The model runner of the servers here (the tiny model in bfloat16), for reference outputs."""
-    import torch
-
+    """The model runner of the servers here (the tiny model in the default dtype: bfloat16 where the
+    CPU has bf16 units, else float32), for reference outputs."""
     from models.runner import ModelRunner
 
-    return ModelRunner(tiny_loaded, dtype=torch.bfloat16)
+    return ModelRunner(tiny_loaded)
 
 
 def greedy_reference(runner, tokenizer, ids, max_new_tokens):
