@@ -34,7 +34,7 @@ from .loading import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemm.cpp"]
 HEADERS = [CSRC / "vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused a*b+c: the eager ops round each
 
@@ -138,3 +138,18 @@ def argmax_logsumexp(logits):
     """fp32 logits [B, V] -> (the first index of each row's maximum [B] int64, logsumexp [B]); one
     thread per row, so a row's results do not depend on the other rows."""
     return torch.ops.tercet.argmax_logsumexp(logits)
+
+
+def pack_linear_weight(weight):
+    """fp32 W [N, K] -> panels of 16 output columns [ceil(N/16), K, 16], for `packed_linear`."""
+    return torch.ops.tercet.pack_linear_weight(weight)
+
+
+def packed_linear(x, packed, out_features: int, bias=None):
+    """fp32 x [M, K] W^T (+ bias) -> [M, out_features], each output summed over k in order (batch-invariant)."""
+    return torch.ops.tercet.packed_linear(x, packed, out_features, bias)
+
+
+def packed_linear_available() -> bool:
+    """Whether the kernels are loaded and were built with the AVX2 + FMA projection kernel."""
+    return load() and torch.ops.tercet.packed_linear_available()

@@ -71,22 +71,30 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,
-                 keep_dense: bool = False) -> None:
+                 keep_dense: bool = False, kernel: bool = False) -> None:
         self.bias = bias
         self.out_features = weight.shape[0]
-        if packed:
+        self.panels = None  # tercet's own fp32 kernel's layout (`kernel`), see cpu_kernels.packed_linear
+        if kernel:
+            self.weight, self.packed = None, None
+            self.panels = cpu_kernels.pack_linear_weight(weight)
+        elif packed:
             self.weight = weight if keep_dense else None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         else:
             self.weight, self.packed = weight, None
 
     def dense(self) -> torch.Tensor:
+        if self.panels is not None:  # [P, K, 16] -> [P * 16, K], less the padding
+            return self.panels.transpose(1, 2).reshape(-1, self.panels.shape[1])[: self.out_features].contiguous()
         return self.weight if self.weight is not None else self.packed.to_dense()
 
     def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
         """x W^T without the bias; fp32 when `upcast`."""
         if upcast:
             return F.linear(x.float(), self.dense().float())
+        if self.panels is not None:
+            return cpu_kernels.packed_linear(x, self.panels, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -97,6 +105,8 @@ class Linear:
         if upcast and x.shape[0] >= 8:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.dense().float(), bias).to(x.dtype)
+        if self.panels is not None:
+            return cpu_kernels.packed_linear(x, self.panels, self.out_features, self.bias)
         if self.packed is not None and (self.weight is None or x.shape[0] < DENSE_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -130,6 +140,32 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
         return packed <= SLOWER * plain
     except RuntimeError:  # a torch built without the op, or a CPU it refuses
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> bool:
+    """Whether tercet's own fp32 projection kernel (`Linear(kernel=True)`, cpu_kernels.packed_linear,
+    AVX2 + FMA) serves this machine: it is built, gives `F.linear`'s products within fp32
+    rounding at 1 to 200 rows, and is faster over 1, 8 and 64 rows than what serves otherwise
+    (oneDNN's prepacked weights where they pay, else `F.linear`). On the AVX2-only EPYC it beat
+    oneDNN 1.2-1.5x at 1-8 rows and 1.0-1.3x at 32-64 (benchmarks/bench_gemm.py)."""
+    if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.packed_linear_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator)
+    bias = torch.randn(shape[0], generator=generator)
+    ours, other = Linear(weight, kernel=True), Linear(weight, packed=packing_pays(dtype, device))
+    for rows in (1, 7, 32, 64, 200):
+        x = torch.randn(rows, shape[1], generator=generator)
+        if not (_same_product(ours(x), F.linear(x, weight))
+                and _same_product(Linear(weight, bias, kernel=True)(x), F.linear(x, weight, bias))):
+            return False
+    mine = theirs = 0.0
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, shape[1], generator=generator)
+        times = _best_seconds(lambda: ours(x), lambda: other(x))
+        mine, theirs = mine + times[0], theirs + times[1]
+    return mine < theirs
 
 
 def _same_product(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
@@ -206,7 +242,7 @@ class _Layer:
             keep = pack and size <= model.dense_budget and dense_pays(weight.dtype, weight.device,
                                                                       tuple(weight.shape))
             model.dense_budget -= size if keep else 0
-            return Linear(weight, bias, pack, keep_dense=keep)
+            return Linear(weight, bias, pack, keep_dense=keep, kernel=model.kernel)
 
         self.qkv = linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"]),
                           w.cat([f"{a}.{p}_proj.bias" for p in "qkv"], required=False))
@@ -238,7 +274,7 @@ class CausalLM:
     """Weights and forward pass; the KV cache belongs to the caller (the runner)."""
 
     def __init__(self, config, state_dict, dtype=torch.bfloat16, device="cpu", upcast=False,
-                 packed: bool | None = None) -> None:
+                 packed: bool | None = None, kernel: bool | None = None) -> None:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -249,8 +285,11 @@ class CausalLM:
         self.eps = config.rms_norm_eps
         self.dtype, self.device = dtype, torch.device(device)
         self.upcast = upcast and dtype == torch.bfloat16  # see Linear
-        # prepacked weights (see Linear); None: where they pay on this machine
+        # tercet's fp32 projection kernel (see Linear); None: where it pays on this machine
+        self.kernel = kernel_pays(dtype, self.device) if kernel is None else kernel
+        # else prepacked oneDNN weights (see Linear); None: where they pay on this machine
         self.packed = packing_pays(dtype, self.device) and not self.upcast if packed is None else packed
+        self.packed = self.packed and not self.kernel
         self.dense_budget = DENSE_BUDGET_BYTES  # what plain copies beside packed weights may take (Linear)
         self.inv_freq, self.rope_scale = _rope_parameters(config)
         w = _Weights(state_dict, dtype, self.device)
@@ -258,7 +297,8 @@ class CausalLM:
         self.layers = [_Layer(w, f"model.layers.{i}", self) for i in range(self.num_layers)]
         self.norm = w.get("model.norm.weight")
         head = w.get("lm_head.weight", required=False)
-        self.lm_head = Linear(self.embed if head is None else head, None, self.packed)  # tied embeddings
+        self.lm_head = Linear(self.embed if head is None else head, None, self.packed,  # tied embeddings
+                              kernel=self.kernel)
         self.inv_freq = self.inv_freq.to(self.device)
 
     def forward(self, input_ids, positions, plan: AttentionPlan, k_cache, v_cache):

@@ -196,3 +196,54 @@ def test_argmax_logsumexp_is_torchs(kernels, vocab):
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
     alone = cpu_kernels.argmax_logsumexp(logits[3:4])
     assert torch.equal(alone[1], lse[3:4])  # a row's result does not depend on the others
+
+
+needs_gemm = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 97, 200])
+@pytest.mark.parametrize("out_features", [96, 40, 3])  # whole panels of 16, a partial last one, less than one
+def test_packed_linear_gives_f_linear_products(kernels, rows, out_features):
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    g = torch.Generator().manual_seed(rows * out_features)
+    weight, bias = torch.randn(out_features, 80, generator=g), torch.randn(out_features, generator=g)
+    x = torch.randn(rows, 80, generator=g)
+    panels = cpu_kernels.pack_linear_weight(weight)
+    for b in (None, bias):
+        torch.testing.assert_close(cpu_kernels.packed_linear(x, panels, out_features, b), F_linear(x, weight, b),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_gemm
+def test_packed_linear_gives_a_row_the_same_bits_alone_or_in_any_batch(kernels):
+    """One running sum per output, k in order: the bits do not depend on the rows beside it."""
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(200, 576, generator=g), torch.randn(200, generator=g)
+    x = torch.randn(131, 576, generator=g)
+    panels = cpu_kernels.pack_linear_weight(weight)
+    whole = cpu_kernels.packed_linear(x, panels, 200, bias)
+    for start, stop in [(0, 1), (5, 6), (7, 20), (96, 131), (100, 101)]:
+        assert torch.equal(cpu_kernels.packed_linear(x[start:stop], panels, 200, bias), whole[start:stop])
+
+
+@needs_gemm
+def test_packed_linear_refuses_what_does_not_fit(kernels):
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    panels = cpu_kernels.pack_linear_weight(torch.zeros(40, 8))
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.packed_linear(torch.zeros(2, 9), panels, 40)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        cpu_kernels.packed_linear(torch.zeros(2, 8), panels, 50)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.packed_linear(torch.zeros(2, 8), panels, 40, torch.zeros(39))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.pack_linear_weight(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+def F_linear(x, weight, bias):
+    return torch.nn.functional.linear(x, weight, bias)

@@ -107,7 +107,8 @@ def test_packing_pays_on_a_cpu_with_bf16_units():
 
 def test_the_runner_packs_where_it_pays(tiny_llama):
     assert ModelRunner(tiny_llama, dtype=torch.bfloat16).model.packed == packing_pays(torch.bfloat16, CPU)
-    assert ModelRunner(tiny_llama, dtype=torch.float32).model.packed == packing_pays(torch.float32, CPU)
+    fp32 = ModelRunner(tiny_llama, dtype=torch.float32).model
+    assert fp32.packed == (packing_pays(torch.float32, CPU) and not fp32.kernel)  # tercet's kernel first
     assert not ModelRunner(tiny_llama, dtype=torch.float16).model.packed
 
 
@@ -122,3 +123,27 @@ def test_rms_norm_gives_the_bits_of_transformers_formula(dtype, rows):
     x32 = x.float()
     expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # LlamaRMSNorm
     assert torch.equal(_rms_norm(x, weight, 1e-5), expected)
+
+
+def test_a_kernel_projection_gives_f_linear_products_and_its_dense_weight():
+    from models import cpu_kernels
+
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("no AVX2 + FMA kernel on this machine")
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 80, generator=generator), torch.randn(40, generator=generator)  # a partial panel
+    x = torch.randn(33, 80, generator=generator)
+    for b in (None, bias):
+        lin = Linear(weight, b, kernel=True)
+        assert lin.weight is None and lin.packed is None and torch.equal(lin.dense(), weight)
+        torch.testing.assert_close(lin(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin(x, tile=16), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin.product(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
+    from models.layers import kernel_pays
+
+    model = ModelRunner(tiny_llama, dtype=torch.float32).model
+    assert model.kernel == kernel_pays(torch.float32, CPU) and not (model.kernel and model.packed)
+    assert not ModelRunner(tiny_llama, dtype=torch.bfloat16).model.kernel  # fp32 only
