@@ -6,7 +6,12 @@
   less attention time per step at 32-64 rows here (benchmarks/bench_attention.py);
 - `rope_store`, `add_rms_norm_`, `silu_mul`: a decoder layer's elementwise steps,
   one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
-- `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass.
+- `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass;
+- `pack_linear_weight` / `packed_linear`: fp32 projections on AVX2 + FMA over weights packed
+  at load (`layers.Linear(kernel=True)`, where `layers.kernel_pays`), batch-invariant.
+
+The vector code is written once over `csrc/vec.h` (AVX-512 or AVX2 + FMA + F16C); other
+CPUs get the portable scalar paths.
 
 They are built once per machine with the host's C++ compiler
 (`torch.utils.cpp_extension`, -O3 -march=native, ~6 s) into tercet's cache

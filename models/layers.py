@@ -148,7 +148,7 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> 
     AVX2 + FMA) serves this machine: it is built, gives `F.linear`'s products within fp32
     rounding at 1 to 200 rows, and is faster over 1, 8 and 64 rows than what serves otherwise
     (oneDNN's prepacked weights where they pay, else `F.linear`). On the AVX2-only EPYC it beat
-    oneDNN 1.2-1.5x at 1-8 rows and 1.0-1.3x at 32-64 (benchmarks/bench_gemm.py)."""
+    oneDNN 1.1-1.7x at 1-64 rows, 1.1-1.4x at 2048 (benchmarks/bench_gemm.py)."""
     if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.packed_linear_available():
         return False
     generator = torch.Generator().manual_seed(0)

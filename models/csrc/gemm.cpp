@@ -78,6 +78,7 @@ inline void block(const float* x, int64_t lda, const float* panel, int64_t k, fl
     if constexpr (R > 5) c50 = _mm256_loadu_ps(y + 5 * ldc), c51 = _mm256_loadu_ps(y + 5 * ldc + 8);
   }
   // x: the group's rows interleaved, [k][kRows] (pack_rows): one stream for the broadcasts
+#pragma GCC unroll 8
   for (int64_t i = 0; i < k; ++i) {
     const __m256 b0 = _mm256_loadu_ps(panel + i * kPanel);
     const __m256 b1 = _mm256_loadu_ps(panel + i * kPanel + 8);

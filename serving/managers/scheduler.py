@@ -78,7 +78,7 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
                          deterministic=config.deterministic)
     log.info("model runner: %s (dtype %s), %s, %d threads%s%s", runner.dtype, config.dtype, runner.device,
              torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "",
-             ", prepacked weights" if runner.model.packed else "")
+             ", tercet's fp32 GEMM" if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
     return runner
 
 

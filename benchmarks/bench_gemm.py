@@ -1,0 +1,87 @@
+"""fp32 projections: tercet's kernel (cpu_kernels.packed_linear) vs oneDNN prepacked vs F.linear.
+
+    python -m benchmarks.bench_gemm [--smoke] [--json PATH] [--rows 1,8,32,64,2048]
+
+SmolLM2-135M's four projection shapes and its LM head, each row count timed
+over eight weights in turn (so a weight is not always in cache), best of
+several rounds. The baseline is `F.linear` (MKL's sgemm) in the same run; the
+ratios are what to compare across machines. `--smoke`: small shapes, a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from models import cpu_kernels
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def best_seconds(call, rounds: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--rows", default="1,8,32,64,2048")
+    args = parser.parse_args(argv)
+    shapes = {"small": (48, 40)} if args.smoke else SHAPES
+    rows_list = [1, 7] if args.smoke else [int(r) for r in args.rows.split(",")]
+    rounds = 2 if args.smoke else 5
+    ours_ok = cpu_kernels.packed_linear_available()
+    dnnl_ok = torch.backends.mkldnn.is_available()
+    results = []
+    print(f"{'shape':>8} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'tercet ms':>10} "
+          f"{'tercet GF/s':>12} {'vs F.linear':>12} {'vs oneDNN':>10}", file=sys.stderr)
+    for name, (n, k) in shapes.items():
+        count = 1 if n * k > 10_000_000 else 8
+        weights = [torch.randn(n, k) for _ in range(count)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in weights] if dnnl_ok else []
+        panels = [cpu_kernels.pack_linear_weight(w) for w in weights] if ours_ok else []
+        for rows in rows_list:
+            if n * k > 10_000_000 and rows > 64:
+                continue  # the LM head only sees the rows that sample
+            x = torch.randn(rows, k)
+            plain = best_seconds(lambda: [F.linear(x, w) for w in weights], rounds) / count
+            row = {"shape": name, "n": n, "k": k, "rows": rows, "f_linear_ms": round(plain * 1e3, 4)}
+            line = f"{name:>8} {rows:>5} {plain * 1e3:>12.3f}"
+            if dnnl_ok:
+                packed = best_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                               for w in onednn], rounds) / count
+                row["onednn_ms"] = round(packed * 1e3, 4)
+                line += f" {packed * 1e3:>10.3f}"
+            else:
+                packed = float("nan")
+                line += f" {'-':>10}"
+            if ours_ok:
+                ours = best_seconds(lambda: [cpu_kernels.packed_linear(x, p, n) for p in panels], rounds) / count
+                gflops = 2 * rows * n * k / ours / 1e9
+                row |= {"tercet_ms": round(ours * 1e3, 4), "tercet_gflops": round(gflops, 1),
+                        "vs_f_linear": round(plain / ours, 2), "vs_onednn": round(packed / ours, 2)}
+                line += f" {ours * 1e3:>10.3f} {gflops:>12.1f} {plain / ours:>12.2f} {packed / ours:>10.2f}"
+            results.append(row)
+            print(line, file=sys.stderr)
+    if not ours_ok:
+        print("tercet's kernel is not available here (no AVX2 + FMA build); baselines only", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": results, "threads": torch.get_num_threads(), "kernel": ours_ok}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
