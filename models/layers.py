@@ -100,7 +100,7 @@ class Linear:
         return F.linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor, upcast: bool = False, tile: int | None = None) -> torch.Tensor:
-        if tile is not None:
+        if tile is not None and self.panels is None:  # tercet's kernel is batch-invariant as it is
             return invariant.tiled_linear(x, self.product, self.bias, tile, upcast and tile >= 8)
         if upcast and x.shape[0] >= 8:
             bias = None if self.bias is None else self.bias.float()
