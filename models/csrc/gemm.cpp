@@ -38,8 +38,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int kRows = 6;        // rows per register block
-constexpr int64_t kBlockRows = 96;  // rows whose inputs stay in L2 while the panels pass
-constexpr int64_t kSlice = 0;       // k per slice (0: whole); 128 (8 KB of a panel, in L1) measured slower
+constexpr int64_t kBlockRows = 96;  // rows whose inputs stay in L2 while the panels pass (a multiple of kRows)
 
 at::Tensor pack_linear_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "w must be a float32 CPU [N, K]");
@@ -57,46 +56,28 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
 }
 
 #if TERCET_GEMM
-// R rows of x (stride lda) against one panel: y[r, 0:cols] (stride ldc) = x_r . panel (+ bias).
+// R rows of x (one group, interleaved) against one panel: y[r, 0:cols] (stride ldc) = x_r . panel (+ bias).
 // The 2R accumulators are named variables, not an array: GCC kept an array in memory and
 // stored it on every k (half the speed).
-//
-// With `resume`, the accumulators start from y (a full panel's partial sums over earlier k, stored
-// exactly), so splitting k into slices keeps each output's one running sum in the same order;
-// `finish` adds the bias (else y holds partial sums).
+// (Slicing k so that 8 KB of a panel stays in L1 measured slower here.)
 template <int R>
-inline void block(const float* x, int64_t lda, const float* panel, int64_t k, float* y, int64_t ldc, int64_t cols,
-                  const float* bias, bool resume = false, bool finish = true) {
+inline void block(const float* x, const float* panel, int64_t k, float* y, int64_t ldc, int64_t cols,
+                  const float* bias) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  if (resume) {
-    c00 = _mm256_loadu_ps(y), c01 = _mm256_loadu_ps(y + 8);
-    if constexpr (R > 1) c10 = _mm256_loadu_ps(y + ldc), c11 = _mm256_loadu_ps(y + ldc + 8);
-    if constexpr (R > 2) c20 = _mm256_loadu_ps(y + 2 * ldc), c21 = _mm256_loadu_ps(y + 2 * ldc + 8);
-    if constexpr (R > 3) c30 = _mm256_loadu_ps(y + 3 * ldc), c31 = _mm256_loadu_ps(y + 3 * ldc + 8);
-    if constexpr (R > 4) c40 = _mm256_loadu_ps(y + 4 * ldc), c41 = _mm256_loadu_ps(y + 4 * ldc + 8);
-    if constexpr (R > 5) c50 = _mm256_loadu_ps(y + 5 * ldc), c51 = _mm256_loadu_ps(y + 5 * ldc + 8);
-  }
   // x: the group's rows interleaved, [k][kRows] (pack_rows): one stream for the broadcasts
 #pragma GCC unroll 8
   for (int64_t i = 0; i < k; ++i) {
     const __m256 b0 = _mm256_loadu_ps(panel + i * kPanel);
     const __m256 b1 = _mm256_loadu_ps(panel + i * kPanel + 8);
     const float* xi = x + i * kRows;
-    const float* x0 = xi;
-    const float* x1 = xi + 1;
-    const float* x2 = xi + 2;
-    const float* x3 = xi + 3;
-    const float* x4 = xi + 4;
-    const float* x5 = xi + 5;
-    constexpr int64_t i0 = 0;
-    __m256 a = _mm256_broadcast_ss(x0 + i0);
+    __m256 a = _mm256_broadcast_ss(xi);
     c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
-    if constexpr (R > 1) a = _mm256_broadcast_ss(x1 + i0), c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
-    if constexpr (R > 2) a = _mm256_broadcast_ss(x2 + i0), c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
-    if constexpr (R > 3) a = _mm256_broadcast_ss(x3 + i0), c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
-    if constexpr (R > 4) a = _mm256_broadcast_ss(x4 + i0), c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
-    if constexpr (R > 5) a = _mm256_broadcast_ss(x5 + i0), c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
+    if constexpr (R > 1) a = _mm256_broadcast_ss(xi + 1), c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
+    if constexpr (R > 2) a = _mm256_broadcast_ss(xi + 2), c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
+    if constexpr (R > 3) a = _mm256_broadcast_ss(xi + 3), c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
+    if constexpr (R > 4) a = _mm256_broadcast_ss(xi + 4), c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
+    if constexpr (R > 5) a = _mm256_broadcast_ss(xi + 5), c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
   }
   const __m256 lo[kRows] = {c00, c10, c20, c30, c40, c50}, hi[kRows] = {c01, c11, c21, c31, c41, c51};
   for (int r = 0; r < R; ++r) {
@@ -104,7 +85,7 @@ inline void block(const float* x, int64_t lda, const float* panel, int64_t k, fl
     _mm256_store_ps(row, lo[r]);
     _mm256_store_ps(row + 8, hi[r]);
     float* out = y + r * ldc;
-    if (bias != nullptr && finish) {
+    if (bias != nullptr) {
       for (int64_t j = 0; j < cols; ++j) out[j] = row[j] + bias[j];
     } else {
       for (int64_t j = 0; j < cols; ++j) out[j] = row[j];
@@ -112,15 +93,15 @@ inline void block(const float* x, int64_t lda, const float* panel, int64_t k, fl
   }
 }
 
-void rows_block(int rows, const float* x, int64_t lda, const float* panel, int64_t k, float* y, int64_t ldc,
-                int64_t cols, const float* bias, bool resume, bool finish) {
+void rows_block(int rows, const float* x, const float* panel, int64_t k, float* y, int64_t ldc, int64_t cols,
+                const float* bias) {
   switch (rows) {
-    case 6: block<6>(x, lda, panel, k, y, ldc, cols, bias, resume, finish); break;
-    case 5: block<5>(x, lda, panel, k, y, ldc, cols, bias, resume, finish); break;
-    case 4: block<4>(x, lda, panel, k, y, ldc, cols, bias, resume, finish); break;
-    case 3: block<3>(x, lda, panel, k, y, ldc, cols, bias, resume, finish); break;
-    case 2: block<2>(x, lda, panel, k, y, ldc, cols, bias, resume, finish); break;
-    default: block<1>(x, lda, panel, k, y, ldc, cols, bias, resume, finish); break;
+    case 6: block<6>(x, panel, k, y, ldc, cols, bias); break;
+    case 5: block<5>(x, panel, k, y, ldc, cols, bias); break;
+    case 4: block<4>(x, panel, k, y, ldc, cols, bias); break;
+    case 3: block<3>(x, panel, k, y, ldc, cols, bias); break;
+    case 2: block<2>(x, panel, k, y, ldc, cols, bias); break;
+    default: block<1>(x, panel, k, y, ldc, cols, bias); break;
   }
 }
 #endif
@@ -169,16 +150,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
         const int64_t cols = std::min(kPanel, n - p * kPanel);
         const float* panel = w + p * k * kPanel;
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        // k in slices whose weights (kSlice x 16) stay in L1 while the row groups pass; a partial
-        // panel (its partial sums cannot live in y) takes k whole: the same order of sums either way
-        const int64_t slice = cols == kPanel && kSlice > 0 ? kSlice : k;
-        for (int64_t k0 = 0; k0 < k; k0 += slice) {
-          const int64_t len = std::min(slice, k - k0);
-          for (int64_t r = r0; r < r1; r += kRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
-            rows_block(rows, a + (r / kRows) * k * kRows + k0 * kRows, k, panel + k0 * kPanel, len, out + r * n + p * kPanel, n, cols, pb,
-                       k0 > 0, k0 + len >= k);
-          }
+        for (int64_t r = r0; r < r1; r += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
+          rows_block(rows, a + (r / kRows) * k * kRows, panel, k, out + r * n + p * kPanel, n, cols, pb);
         }
       }
     }

@@ -11,7 +11,6 @@ import pytest
 import trio
 
 from models.runner import cpu_has_bf16
-
 from serving.runtime.engine import open_engine
 
 from .test_http import start_server
