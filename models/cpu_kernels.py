@@ -14,7 +14,7 @@ The vector code is written once over `csrc/vec.h` (AVX-512 or AVX2 + FMA + F16C)
 CPUs get the portable scalar paths.
 
 They are built once per machine with the host's C++ compiler
-(`torch.utils.cpp_extension`, -O3 -march=native, ~6 s) into tercet's cache
+(`torch.utils.cpp_extension`, -O3 -march=native, 6-35 s by the machine) into tercet's cache
 (`~/.cache/tercet/kernels`, see `loading.cache_root`), named by a digest of
 the sources, flags, torch version and CPU flags, and loaded from there by
 later processes. Where they cannot be built (no compiler) `load()` logs why
