@@ -65,7 +65,7 @@ inline void block(const float* x, const float* panel, int64_t k, float* y, int64
                   const float* bias) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  // x: the group's rows interleaved, [k][kRows] (pack_rows): one stream for the broadcasts
+  // x: the group's rows interleaved, [k][kRows] (packed_linear groups them): one stream for the broadcasts
 #pragma GCC unroll 8
   for (int64_t i = 0; i < k; ++i) {
     const __m256 b0 = _mm256_loadu_ps(panel + i * kPanel);
