@@ -132,11 +132,7 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
             for ours, theirs in ((linear(x), F.linear(x, weight)), (biased(x), F.linear(x, weight, bias))):
                 if not _same_product(ours, theirs):
                     return False
-        packed = plain = 0.0
-        for rows in (1, 8, 64):  # summed: one 0.1 ms product alone is at the mercy of a busy host
-            x = torch.randn(rows, shape[1], generator=generator).to(dtype)
-            times = _best_seconds(lambda: linear(x), lambda: F.linear(x, weight))
-            packed, plain = packed + times[0], plain + times[1]
+        packed, plain = _summed_seconds(linear, lambda x: F.linear(x, weight), shape[1], dtype, generator)
         return packed <= SLOWER * plain
     except RuntimeError:  # a torch built without the op, or a CPU it refuses
         return False
@@ -147,8 +143,8 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> 
     """Whether tercet's own fp32 projection kernel (`Linear(kernel=True)`, cpu_kernels.packed_linear,
     AVX2 + FMA) serves this machine: it is built, gives `F.linear`'s products within fp32
     rounding at 1 to 200 rows, and is faster over 1, 8 and 64 rows than what serves otherwise
-    (oneDNN's prepacked weights where they pay, else `F.linear`). On the AVX2-only EPYC it beat
-    oneDNN 1.1-1.7x at 1-64 rows, 1.1-1.4x at 2048 (benchmarks/bench_gemm.py)."""
+    (oneDNN's prepacked weights where they pay, else `F.linear`). On the AVX2-only EPYC it ran
+    1.0-2.1x oneDNN's speed at 1-64 rows, 1.05-1.25x at 2048 (benchmarks/bench_gemm.py)."""
     if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.packed_linear_available():
         return False
     generator = torch.Generator().manual_seed(0)
@@ -160,12 +156,19 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> 
         if not (_same_product(ours(x), F.linear(x, weight))
                 and _same_product(Linear(weight, bias, kernel=True)(x), F.linear(x, weight, bias))):
             return False
-    mine = theirs = 0.0
-    for rows in (1, 8, 64):
-        x = torch.randn(rows, shape[1], generator=generator)
-        times = _best_seconds(lambda: ours(x), lambda: other(x))
-        mine, theirs = mine + times[0], theirs + times[1]
+    mine, theirs = _summed_seconds(ours, other, shape[1], dtype, generator)
     return mine < theirs
+
+
+def _summed_seconds(first, second, width: int, dtype, generator) -> tuple[float, float]:
+    """The best times of two projections at 1, 8 and 64 rows, each summed over the row counts:
+    one 0.1 ms product alone is at the mercy of a busy host."""
+    total = [0.0, 0.0]
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, width, generator=generator).to(dtype)
+        times = _best_seconds(lambda: first(x), lambda: second(x))
+        total = [total[0] + times[0], total[1] + times[1]]
+    return total[0], total[1]
 
 
 def _same_product(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
