@@ -1,11 +1,16 @@
-"""fp32 projections: tercet's kernel (cpu_kernels.packed_linear) vs oneDNN prepacked vs F.linear.
+"""fp32 projections: tercet's kernel (cpu_kernels.packed_linear) vs oneDNN prepacked vs F.linear,
+and the same kernel over block codes (cpu_kernels.block_linear).
 
     python -m benchmarks.bench_gemm [--smoke] [--json PATH] [--rows 1,8,32,64,2048]
 
 SmolLM2-135M's four projection shapes and its LM head, each row count timed
-over eight weights in turn (so a weight is not always in cache), best of
-several rounds. The baseline is `F.linear` (MKL's sgemm) in the same run; the
-ratios are what to compare across machines. `--smoke`: small shapes, a second.
+over as many weights of the shape as fill ~96 MB, in turn (so that, as in a
+decode step over a whole model, a weight is read from memory, not from
+cache), best of several rounds. The weights are Q4_1 values (float(q) * d + m
+per block of 32, d and m fp16, as dequantized from a GGUF), so that the block
+codes apply; the fp32 kernels see them as any fp32 weights. The baseline is
+`F.linear` (MKL's sgemm) in the same run; the ratios are what to compare
+across machines. `--smoke`: small shapes, a second.
 """
 
 from __future__ import annotations
@@ -33,25 +38,37 @@ def best_seconds(call, rounds: int) -> float:
     return best
 
 
+def q4_1_weight(n: int, k: int, generator) -> torch.Tensor:
+    """fp32 [n, k] whose every block of 32 k is float(q) * d + m, q in 0..15, d and m fp16 (GGUF's Q4_1)."""
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15  # the block's minimum and maximum, as GGUF's quantizer places them
+    d = (torch.rand(n, k // 32, 1, generator=generator) * 0.01 + 1e-4).half().float()
+    m = (-8 * d + torch.randn(n, k // 32, 1, generator=generator) * 1e-3).half().float()
+    return (q * d + m).reshape(n, k)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--rows", default="1,8,32,64,2048")
     args = parser.parse_args(argv)
-    shapes = {"small": (48, 40)} if args.smoke else SHAPES
+    shapes = {"small": (48, 64)} if args.smoke else SHAPES
     rows_list = [1, 7] if args.smoke else [int(r) for r in args.rows.split(",")]
     rounds = 2 if args.smoke else 5
     ours_ok = cpu_kernels.packed_linear_available()
     dnnl_ok = torch.backends.mkldnn.is_available()
     results = []
+    generator = torch.Generator().manual_seed(0)
     print(f"{'shape':>8} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'tercet ms':>10} "
-          f"{'tercet GF/s':>12} {'vs F.linear':>12} {'vs oneDNN':>10}", file=sys.stderr)
+          f"{'tercet GF/s':>12} {'vs F.linear':>12} {'vs oneDNN':>10} {'codes ms':>9} {'vs tercet':>10}",
+          file=sys.stderr)
     for name, (n, k) in shapes.items():
-        count = 1 if n * k > 10_000_000 else 8
-        weights = [torch.randn(n, k) for _ in range(count)]
+        count = 2 if args.smoke else max(1, min(64, 96_000_000 // (4 * n * k)))
+        weights = [q4_1_weight(n, k, generator) for _ in range(count)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in weights] if dnnl_ok else []
         panels = [cpu_kernels.pack_linear_weight(w) for w in weights] if ours_ok else []
+        codes = [cpu_kernels.pack_block_codes(w) for w in weights] if ours_ok else []
         for rows in rows_list:
             if n * k > 10_000_000 and rows > 64:
                 continue  # the LM head only sees the rows that sample
@@ -73,6 +90,9 @@ def main(argv=None) -> int:
                 row |= {"tercet_ms": round(ours * 1e3, 4), "tercet_gflops": round(gflops, 1),
                         "vs_f_linear": round(plain / ours, 2), "vs_onednn": round(packed / ours, 2)}
                 line += f" {ours * 1e3:>10.3f} {gflops:>12.1f} {plain / ours:>12.2f} {packed / ours:>10.2f}"
+                coded = best_seconds(lambda: [cpu_kernels.block_linear(x, *c, n) for c in codes], rounds) / count
+                row |= {"codes_ms": round(coded * 1e3, 4), "codes_vs_tercet": round(ours / coded, 2)}
+                line += f" {coded * 1e3:>9.3f} {ours / coded:>10.2f}"
             results.append(row)
             print(line, file=sys.stderr)
     if not ours_ok:

@@ -19,4 +19,5 @@ def test_bench_gemm_smoke_prints_its_table_and_writes_its_json(tmp_path):
     assert result["kernel"] == cpu_kernels.packed_linear_available()
     if result["kernel"]:
         assert all(row["tercet_ms"] > 0 and row["vs_f_linear"] > 0 for row in result["rows"])
+        assert all(row["codes_ms"] > 0 and row["codes_vs_tercet"] > 0 for row in result["rows"])
         assert "vs F.linear" in run.stderr

@@ -247,3 +247,81 @@ def test_packed_linear_refuses_what_does_not_fit(kernels):
 
 def F_linear(x, weight, bias):
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def gguf_weight(out_features: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """A weight as tercet loads a GGUF's: quantized by gguf-py (llama.cpp's Q4_1 / Q8_0) and dequantized."""
+    from gguf import GGMLQuantizationType, quants
+
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, k, generator=g) * 0.05).numpy()
+    kinds = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+    if kind == "mixed":  # rows of both kinds in one weight (a fused q/k/v of differently quantized parts)
+        halves = [gguf_weight(out_features // 2, k, "q4_1", seed), gguf_weight(out_features - out_features // 2, k,
+                                                                                 "q8_0", seed + 1)]
+        return torch.cat(halves)
+    return torch.from_numpy(quants.dequantize(quants.quantize(weight, kinds[kind]), kinds[kind]).copy())
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64, 97, 400])
+@pytest.mark.parametrize("out_features", [96, 40, 3, 80])  # 6 panels, a partial one, less than one, 5 (4 + 1)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "mixed"])
+def test_block_codes_give_the_bits_of_the_fp32_kernel(kernels, rows, out_features, kind):
+    """Weights kept as GGUF's block codes, rebuilt in the kernel: the very products of the fp32 panels."""
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    weight = gguf_weight(out_features, 96, kind, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 96, generator=g), torch.randn(out_features, generator=g)
+    codes, panels = cpu_kernels.pack_block_codes(weight), cpu_kernels.pack_linear_weight(weight)
+    assert len(codes) == 3 and codes[0].dtype == torch.int8
+    for b in (None, bias):
+        assert torch.equal(cpu_kernels.block_linear(x, *codes, out_features, b),
+                           cpu_kernels.packed_linear(x, panels, out_features, b))
+
+
+@needs_gemm
+def test_block_codes_give_a_row_the_same_bits_alone_or_in_any_batch(kernels):
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    weight = gguf_weight(200, 576, "q4_1")
+    x = torch.randn(500, 576, generator=torch.Generator().manual_seed(2))
+    codes = cpu_kernels.pack_block_codes(weight)
+    whole = cpu_kernels.block_linear(x, *codes, 200)
+    for start, stop in [(0, 1), (5, 6), (7, 20), (96, 131), (383, 390), (499, 500)]:
+        assert torch.equal(cpu_kernels.block_linear(x[start:stop], *codes, 200), whole[start:stop])
+
+
+@needs_gemm
+def test_pack_block_codes_keeps_gguf_codes_and_refuses_other_weights(kernels):
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    codes, scales, offsets = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q4_1"))
+    assert codes.shape == (3, 64, 16) and scales.shape == offsets.shape == (3, 2, 16)
+    assert codes.min() >= 0 and codes.max() == 15  # Q4_1: 0..15 from the block's minimum
+    codes, _, offsets = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q8_0"))
+    assert codes.min() < 0 and torch.all(offsets[:, :, :8] == 0)  # Q8_0: signed, no offset
+    assert cpu_kernels.pack_block_codes(torch.zeros(16, 64))  # constant blocks: d = 0
+    plain = torch.randn(16, 64)
+    assert cpu_kernels.pack_block_codes(plain) == []  # fp32 weights as trained: no codes
+    almost = gguf_weight(16, 64, "q4_1")
+    almost[3, 40] = torch.nextafter(almost[3, 40], torch.tensor(1.0))  # one weight one ulp off
+    assert cpu_kernels.pack_block_codes(almost) == []
+    nan = gguf_weight(16, 64, "q4_1")
+    nan[0, 0] = float("nan")
+    assert cpu_kernels.pack_block_codes(nan) == []
+    assert cpu_kernels.pack_block_codes(gguf_weight(16, 64, "q8_0")[:, :40].contiguous()) == []  # k % 32 != 0
+
+
+@needs_gemm
+def test_block_linear_refuses_what_does_not_fit(kernels):
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX2 + FMA")
+    codes = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q4_1"))
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.block_linear(torch.zeros(2, 32), *codes, 40)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        cpu_kernels.block_linear(torch.zeros(2, 64), *codes, 50)
+    with pytest.raises(RuntimeError, match="scales and offsets"):
+        cpu_kernels.block_linear(torch.zeros(2, 64), codes[0], codes[1][:, :1].contiguous(), codes[2], 40)

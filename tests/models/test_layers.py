@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import DENSE_ROWS, Linear, dense_pays, packing_pays
-from models.runner import ModelRunner, cpu_has_bf16
+from models.layers import DENSE_ROWS, CausalLM, Linear, dense_pays, packing_pays
+from models.runner import ModelRunner, SeqInput, cpu_has_bf16
 
 CPU = torch.device("cpu")
 
@@ -147,3 +147,58 @@ def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
     model = ModelRunner(tiny_llama, dtype=torch.float32).model
     assert model.kernel == kernel_pays(torch.float32, CPU) and not (model.kernel and model.packed)
     assert not ModelRunner(tiny_llama, dtype=torch.bfloat16).model.kernel  # fp32 only
+
+
+def test_a_gguf_weight_is_kept_as_block_codes_with_the_same_products_and_dense_weight():
+    from models import cpu_kernels
+    from tests.models.test_cpu_kernels import gguf_weight
+
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("no AVX2 + FMA kernel on this machine")
+    generator = torch.Generator().manual_seed(4)
+    weight, bias = gguf_weight(40, 96, "q4_1"), torch.randn(40, generator=generator)
+    x = torch.randn(33, 96, generator=generator)
+    for b in (None, bias):
+        coded, panels = Linear(weight, b, kernel=True, codes=True), Linear(weight, b, kernel=True)
+        assert coded.codes is not None and coded.panels is None and panels.codes is None
+        assert torch.equal(coded.dense(), weight)
+        for rows in (1, 4, 33):
+            assert torch.equal(coded(x[:rows]), panels(x[:rows]))
+            assert torch.equal(coded(x[:rows], tile=16), panels(x[:rows]))
+            assert torch.equal(coded.product(x[:rows]), panels.product(x[:rows]))
+    plain = Linear(torch.randn(40, 96, generator=generator), kernel=True, codes=True)
+    assert plain.codes is None and plain.panels is not None  # weights as trained keep the fp32 panels
+
+
+def test_a_gguf_model_runs_on_block_codes_with_the_logits_of_its_fp32_weights(tiny_llama):
+    """The tiny model's projections quantized as llama.cpp would (Q4_1, the LM head Q8_0): the runner
+    keeps them as codes by default and its logits are bitwise those of the fp32 panels."""
+    import dataclasses
+
+    from gguf import GGMLQuantizationType, quants
+
+    from models import cpu_kernels
+
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("no AVX2 + FMA kernel on this machine")
+
+    def requantize(name, tensor):
+        if tensor.dim() != 2:
+            return tensor
+        kind = GGMLQuantizationType.Q8_0 if "embed" in name else GGMLQuantizationType.Q4_1
+        return torch.from_numpy(quants.dequantize(quants.quantize(tensor.numpy(), kind), kind).copy())
+
+    loaded = dataclasses.replace(tiny_llama, state_dict={n: requantize(n, t) for n, t in tiny_llama.state_dict.items()})
+    runner = ModelRunner(loaded, dtype=torch.float32)
+    if not runner.model.kernel:
+        pytest.skip("the kernel does not pay on this machine")
+    layer = runner.model.layers[0]
+    assert all(lin.codes is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, runner.model.lm_head))
+    reference = ModelRunner(loaded, dtype=torch.float32)
+    reference.model = CausalLM(loaded.config, loaded.state_dict, torch.float32, CPU, kernel=True, codes=False)
+    assert reference.model.layers[0].qkv.codes is None
+    prompts = [list(range(5 + 3 * i, 25 + 7 * i)) for i in range(3)]
+    starts = [0, 100, 200]
+    seqs = [SeqInput(p, list(range(start, start + len(p)))) for p, start in zip(prompts, starts)]
+    ours, theirs = runner.logits(seqs, [0, 1, 2]), reference.logits(seqs, [0, 1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
