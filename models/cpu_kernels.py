@@ -8,7 +8,9 @@
   one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
 - `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass;
 - `pack_linear_weight` / `packed_linear`: fp32 projections on AVX2 + FMA over weights packed
-  at load (`layers.Linear(kernel=True)`, where `layers.kernel_pays`), batch-invariant.
+  at load (`layers.Linear(kernel=True)`, where `layers.kernel_pays`), batch-invariant;
+- `pack_block_codes` / `block_linear`: the same products for weights that are exactly GGUF
+  block codes (Q4_1, Q8_0 dequantized at load), kept as int8 codes: a third of the bytes read.
 
 The vector code is written once over `csrc/vec.h` (AVX-512 or AVX2 + FMA + F16C); other
 CPUs get the portable scalar paths.

@@ -327,6 +327,9 @@ class CausalLM:
                               kernel=self.kernel, codes=self.codes)
         self.inv_freq = self.inv_freq.to(self.device)
 
+    def projections(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
     def forward(self, input_ids, positions, plan: AttentionPlan, k_cache, v_cache):
         """Hidden states [T, hidden] after the final norm; K/V of every row stored."""
         x = F.embedding(input_ids, self.embed)

@@ -76,9 +76,12 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
     runner = ModelRunner(loaded, dtype=dtype, device=resolve_device(config.device),
                          page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
                          deterministic=config.deterministic)
+    projections = runner.model.projections()
+    coded = sum(lin.codes is not None for lin in projections)
+    gemm = (f", tercet's fp32 GEMM ({coded} of {len(projections)} projections as GGUF block codes)"
+            if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
     log.info("model runner: %s (dtype %s), %s, %d threads%s%s", runner.dtype, config.dtype, runner.device,
-             torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "",
-             ", tercet's fp32 GEMM" if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
+             torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm)
     return runner
 
 

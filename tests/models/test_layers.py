@@ -192,8 +192,7 @@ def test_a_gguf_model_runs_on_block_codes_with_the_logits_of_its_fp32_weights(ti
     runner = ModelRunner(loaded, dtype=torch.float32)
     if not runner.model.kernel:
         pytest.skip("the kernel does not pay on this machine")
-    layer = runner.model.layers[0]
-    assert all(lin.codes is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, runner.model.lm_head))
+    assert all(lin.codes is not None for lin in runner.model.projections())
     reference = ModelRunner(loaded, dtype=torch.float32)
     reference.model = CausalLM(loaded.config, loaded.state_dict, torch.float32, CPU, kernel=True, codes=False)
     assert reference.model.layers[0].qkv.codes is None
