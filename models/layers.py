@@ -70,8 +70,8 @@ class Linear:
     codes with per-block d and m, 1.25 bytes a weight instead of 4, and the kernel rebuilds the
     fp32 weights as it goes: the products are bitwise those of the fp32 panels (tested), while a
     decode step, which reads every weight once, reads a third of the bytes (the embedded SmolLM2
-    at batch 1: 32.8 -> 50.4 tok/s on the AVX2 EPYC; even from 8 rows up, bench_gemm). Any other
-    W keeps the fp32 panels.
+    at batch 1: 32.8 -> 50.4 tok/s on the AVX2 EPYC; about even with the fp32 panels from 2 rows
+    up, bench_gemm). Any other W keeps the fp32 panels.
 
     With `packed` and `keep_dense`, the plain W is kept too and products of
     `DENSE_ROWS` rows or more (prefill chunks) go through `F.linear` on it: for some
@@ -86,9 +86,9 @@ class Linear:
         self.codes = None  # the same kernel's block codes (`codes`), see cpu_kernels.block_linear
         if kernel:
             self.weight, self.packed = None, None
-            self.codes = cpu_kernels.pack_block_codes(weight) if codes else None
+            found = cpu_kernels.pack_block_codes(weight) if codes else []  # [] where W is not exactly codes
+            self.codes = found or None
             self.panels = None if self.codes else cpu_kernels.pack_linear_weight(weight)
-            self.codes = self.codes or None
         elif packed:
             self.weight = weight if keep_dense else None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
@@ -328,6 +328,7 @@ class CausalLM:
         self.inv_freq = self.inv_freq.to(self.device)
 
     def projections(self) -> list[Linear]:
+        """Every layer's projections, then the LM head."""
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     def forward(self, input_ids, positions, plan: AttentionPlan, k_cache, v_cache):
