@@ -57,6 +57,9 @@ constexpr int kRows = 6;        // rows per register block
 constexpr int64_t kBlockRows = 96;  // rows whose inputs stay in L2 while the panels pass (a multiple of kRows)
 constexpr int64_t kCodeBlockRows = 384;  // the same for block codes: each pass decodes every panel once
 constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_0 blocks)
+// products of up to this many rows decode the codes in registers (at 3-4 rows that measured even
+// with the buffer for the layers' shapes and slower for the LM head: bench_gemm)
+constexpr int64_t kDirectRows = 2;
 
 at::Tensor pack_linear_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "w must be a float32 CPU [N, K]");
@@ -249,6 +252,48 @@ void row_by_four_panels(const float* x, const int8_t* codes, const float* scales
     for (int64_t j = 0; j < cols; ++j) y[p * kPanel + j] = bias != nullptr ? row[j] + bias[p * kPanel + j] : row[j];
   }
 }
+
+// One or two rows (R) against two panels straight from their codes: 4R accumulator chains, each
+// output one sum over k in order (as block<R>). x: the rows' inputs, stride kRows per k (grouped).
+// For two-row products (decode at concurrency 2), where decoding into a buffer and reading it back
+// costs as much as the weights' bytes save (1.4-2.2x the buffer path, bench_gemm).
+template <int R>
+void rows_by_two_panels(const float* x, const int8_t* codes, const float* scales, const float* offsets,
+                        int64_t k, int64_t panels, float* y, int64_t ldc, int64_t n, const float* bias) {
+  const int64_t o1 = panels > 1 ? (k / kGroup) * kPanel : 0;
+  const int8_t* q0 = codes;
+  const int8_t* q1 = codes + (panels > 1 ? k * kPanel : 0);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const float* d = scales + g * kPanel;
+    const float* m = offsets + g * kPanel;
+#pragma GCC unroll 4
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
+      const __m256 w0 = decode8(q0 + i * kPanel, _mm256_loadu_ps(d), _mm256_loadu_ps(m));
+      const __m256 w1 = decode8(q0 + i * kPanel + 8, _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
+      const __m256 w2 = decode8(q1 + i * kPanel, _mm256_loadu_ps(d + o1), _mm256_loadu_ps(m + o1));
+      const __m256 w3 = decode8(q1 + i * kPanel + 8, _mm256_loadu_ps(d + o1 + 8), _mm256_loadu_ps(m + o1 + 8));
+      const __m256 a0 = _mm256_broadcast_ss(x + i * kRows);
+      c00 = _mm256_fmadd_ps(a0, w0, c00), c01 = _mm256_fmadd_ps(a0, w1, c01);
+      c02 = _mm256_fmadd_ps(a0, w2, c02), c03 = _mm256_fmadd_ps(a0, w3, c03);
+      if constexpr (R > 1) {
+        const __m256 a1 = _mm256_broadcast_ss(x + i * kRows + 1);
+        c10 = _mm256_fmadd_ps(a1, w0, c10), c11 = _mm256_fmadd_ps(a1, w1, c11);
+        c12 = _mm256_fmadd_ps(a1, w2, c12), c13 = _mm256_fmadd_ps(a1, w3, c13);
+      }
+    }
+  }
+  const __m256 acc[2][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}};
+  for (int r = 0; r < R; ++r)
+    for (int64_t p = 0; p < std::min<int64_t>(2, panels); ++p) {
+      alignas(32) float row[kPanel];
+      _mm256_store_ps(row, acc[r][2 * p]);
+      _mm256_store_ps(row + 8, acc[r][2 * p + 1]);
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      float* out = y + r * ldc + p * kPanel;
+      for (int64_t j = 0; j < cols; ++j) out[j] = bias != nullptr ? row[j] + bias[p * kPanel + j] : row[j];
+    }
+}
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -263,7 +308,7 @@ const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::
 template <typename PanelOf>
 at::Tensor project(const at::Tensor& x, int64_t panels, int64_t n, const float* b, int64_t block_rows,
                    PanelOf panel_of) {
-  const int64_t m = x.size(0), k = x.size(1);
+  [[maybe_unused]] const int64_t m = x.size(0), k = x.size(1);
   const auto xin = x.contiguous();
   auto y = at::empty({m, n}, x.options());
 #if TERCET_GEMM
@@ -333,9 +378,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   check_x(x, k, panels, n);
   at::Tensor keep;
   const float* b = checked_bias(bias, n, keep);
-  const int8_t* c = codes.data_ptr<int8_t>();
-  const float* d = scales.data_ptr<float>();
-  const float* mo = offsets.data_ptr<float>();
+  [[maybe_unused]] const int8_t* c = codes.data_ptr<int8_t>();
+  [[maybe_unused]] const float* d = scales.data_ptr<float>();
+  [[maybe_unused]] const float* mo = offsets.data_ptr<float>();
 #if TERCET_GEMM
   if (x.size(0) == 1) {  // x's one row is its own grouped layout only with kRows == 1: regroup
     const auto xin = x.contiguous();
@@ -350,6 +395,28 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
         row_by_four_panels(xg.data(), c + p * k * kPanel, d + p * sstride, mo + p * sstride, k,
                            std::min<int64_t>(4, panels - p), out + p * kPanel, n - p * kPanel,
                            b != nullptr ? b + p * kPanel : nullptr);
+      }
+    });
+    return y;
+  }
+  if (x.size(0) <= kDirectRows) {  // rows in pairs over two panels at a time, from the codes
+    const int64_t m = x.size(0), pairs = (panels + 1) / 2, sstride = (k / kGroup) * kPanel;
+    const auto xin = x.contiguous();
+    const float* src = xin.data_ptr<float>();
+    std::vector<float> xg(static_cast<size_t>(k * kRows), 0.f);  // one group of kRows, interleaved per k
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) xg[i * kRows + r] = src[r * k + i];
+    auto y = at::empty({m, n}, x.options());
+    float* out = y.data_ptr<float>();
+    at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = 2 * t, two = std::min<int64_t>(2, panels - p);
+        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
+        for (int64_t r = 0; r < m; r += 2) {
+          const auto run = m - r > 1 ? rows_by_two_panels<2> : rows_by_two_panels<1>;
+          run(xg.data() + r, c + p * k * kPanel, d + p * sstride, mo + p * sstride, k, two,
+              out + r * n + p * kPanel, n, n - p * kPanel, pb);
+        }
       }
     });
     return y;

@@ -264,7 +264,7 @@ def gguf_weight(out_features: int, k: int, kind: str, seed: int = 0) -> torch.Te
 
 
 @needs_gemm
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64, 97, 400])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 64, 97, 400])
 @pytest.mark.parametrize("out_features", [96, 40, 3, 80])  # 6 panels, a partial one, less than one, 5 (4 + 1)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "mixed"])
 def test_block_codes_give_the_bits_of_the_fp32_kernel(kernels, rows, out_features, kind):
@@ -289,7 +289,7 @@ def test_block_codes_give_a_row_the_same_bits_alone_or_in_any_batch(kernels):
     x = torch.randn(500, 576, generator=torch.Generator().manual_seed(2))
     codes = cpu_kernels.pack_block_codes(weight)
     whole = cpu_kernels.block_linear(x, *codes, 200)
-    for start, stop in [(0, 1), (5, 6), (7, 20), (96, 131), (383, 390), (499, 500)]:
+    for start, stop in [(0, 1), (5, 6), (8, 10), (7, 20), (96, 131), (383, 390), (499, 500)]:
         assert torch.equal(cpu_kernels.block_linear(x[start:stop], *codes, 200), whole[start:stop])
 
 
