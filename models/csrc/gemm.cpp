@@ -253,11 +253,10 @@ void row_by_four_panels(const float* x, const int8_t* codes, const float* scales
   }
 }
 
-// One or two rows (R) against two panels straight from their codes: 4R accumulator chains, each
+// Two rows against two panels straight from their codes: eight accumulator chains, each
 // output one sum over k in order (as block<R>). x: the rows' inputs, stride kRows per k (grouped).
 // For two-row products (decode at concurrency 2), where decoding into a buffer and reading it back
 // costs as much as the weights' bytes save (1.4-2.2x the buffer path, bench_gemm).
-template <int R>
 void rows_by_two_panels(const float* x, const int8_t* codes, const float* scales, const float* offsets,
                         int64_t k, int64_t panels, float* y, int64_t ldc, int64_t n, const float* bias) {
   const int64_t o1 = panels > 1 ? (k / kGroup) * kPanel : 0;
@@ -276,15 +275,13 @@ void rows_by_two_panels(const float* x, const int8_t* codes, const float* scales
       const __m256 a0 = _mm256_broadcast_ss(x + i * kRows);
       c00 = _mm256_fmadd_ps(a0, w0, c00), c01 = _mm256_fmadd_ps(a0, w1, c01);
       c02 = _mm256_fmadd_ps(a0, w2, c02), c03 = _mm256_fmadd_ps(a0, w3, c03);
-      if constexpr (R > 1) {
-        const __m256 a1 = _mm256_broadcast_ss(x + i * kRows + 1);
-        c10 = _mm256_fmadd_ps(a1, w0, c10), c11 = _mm256_fmadd_ps(a1, w1, c11);
-        c12 = _mm256_fmadd_ps(a1, w2, c12), c13 = _mm256_fmadd_ps(a1, w3, c13);
-      }
+      const __m256 a1 = _mm256_broadcast_ss(x + i * kRows + 1);
+      c10 = _mm256_fmadd_ps(a1, w0, c10), c11 = _mm256_fmadd_ps(a1, w1, c11);
+      c12 = _mm256_fmadd_ps(a1, w2, c12), c13 = _mm256_fmadd_ps(a1, w3, c13);
     }
   }
   const __m256 acc[2][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}};
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < 2; ++r)
     for (int64_t p = 0; p < std::min<int64_t>(2, panels); ++p) {
       alignas(32) float row[kPanel];
       _mm256_store_ps(row, acc[r][2 * p]);
@@ -382,25 +379,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   [[maybe_unused]] const float* d = scales.data_ptr<float>();
   [[maybe_unused]] const float* mo = offsets.data_ptr<float>();
 #if TERCET_GEMM
-  if (x.size(0) == 1) {  // x's one row is its own grouped layout only with kRows == 1: regroup
-    const auto xin = x.contiguous();
-    auto y = at::empty({1, n}, x.options());
-    std::vector<float> xg(static_cast<size_t>(k * kRows));
-    for (int64_t i = 0; i < k; ++i) xg[i * kRows] = xin.data_ptr<float>()[i];
-    float* out = y.data_ptr<float>();
-    const int64_t quads = (panels + 3) / 4, sstride = (k / kGroup) * kPanel;
-    at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p = 4 * t;
-        row_by_four_panels(xg.data(), c + p * k * kPanel, d + p * sstride, mo + p * sstride, k,
-                           std::min<int64_t>(4, panels - p), out + p * kPanel, n - p * kPanel,
-                           b != nullptr ? b + p * kPanel : nullptr);
-      }
-    });
-    return y;
-  }
-  if (x.size(0) <= kDirectRows) {  // rows in pairs over two panels at a time, from the codes
-    const int64_t m = x.size(0), pairs = (panels + 1) / 2, sstride = (k / kGroup) * kPanel;
+  if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes: one row over four panels, two over two
+    const int64_t m = x.size(0), sstride = (k / kGroup) * kPanel, width = m == 1 ? 4 : 2;
     const auto xin = x.contiguous();
     const float* src = xin.data_ptr<float>();
     std::vector<float> xg(static_cast<size_t>(k * kRows), 0.f);  // one group of kRows, interleaved per k
@@ -408,15 +388,17 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
       for (int64_t i = 0; i < k; ++i) xg[i * kRows + r] = src[r * k + i];
     auto y = at::empty({m, n}, x.options());
     float* out = y.data_ptr<float>();
-    at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, (panels + width - 1) / width, 4, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t p = 2 * t, two = std::min<int64_t>(2, panels - p);
+        const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        for (int64_t r = 0; r < m; r += 2) {
-          const auto run = m - r > 1 ? rows_by_two_panels<2> : rows_by_two_panels<1>;
-          run(xg.data() + r, c + p * k * kPanel, d + p * sstride, mo + p * sstride, k, two,
-              out + r * n + p * kPanel, n, n - p * kPanel, pb);
-        }
+        const int8_t* pc = c + p * k * kPanel;
+        if (m == 1)
+          row_by_four_panels(xg.data(), pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel,
+                             n - p * kPanel, pb);
+        else
+          rows_by_two_panels(xg.data(), pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n,
+                             n - p * kPanel, pb);
       }
     });
     return y;
