@@ -49,7 +49,10 @@ class AttentionPlan:
     decode_buckets: list[DecodeBucket] | None  # torch path, default mode
     prefills: list[PrefillChunk]
     use_triton: bool
-    cpu_kernel: bool = False  # decode rows through cpu_kernels.paged_decode_attention (no gather)
+    cpu_kernel: bool = False  # decode rows through cpu_kernels.paged_attention (no gather)
+    prefill_kernel: bool = False  # prefill rows too (the same code: a row's bits do not depend on the batch)
+    row_seq: torch.Tensor | None = None  # with prefill_kernel: [T] int32, each row's row of page_table
+    row_lens: torch.Tensor | None = None  # [T] int32, keys each row attends (its position + 1)
     compute_dtype: torch.dtype | None = None  # torch path: attend in this dtype (fp32 where bf16 is slow)
     split: SplitPlan | None = None  # the deterministic mode: split-KV attention for every row
     row_tile: int | None = None  # the deterministic mode: rows per GEMM call (layers.py)
@@ -185,6 +188,10 @@ def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale, stored: bool =
         store_kv(k_cache, v_cache, k, v, plan.slots)
     if plan.split is not None:
         return _attend_split(q, k_cache, v_cache, plan, scale)
+    if plan.prefill_kernel and plan.row_seq is not None:  # every row, decode and prefill, by one kernel
+        return cpu_kernels.paged_attention(
+            q, k_cache, v_cache, plan.page_table, plan.row_seq, plan.row_lens, plan.page_size, scale
+        )
     out = torch.empty_like(q)
     n = plan.num_decode
     if n:

@@ -38,12 +38,15 @@ class Batch:
 def build_batch(
     seqs: Sequence[_Seq], page_size: int, device, use_triton: bool,
     split: int | None = None, row_tile: int | None = None, *, kv_heads: int, cpu_kernel: bool = False,
+    prefill_kernel: bool = False,
 ) -> Batch:
     """`seqs` must list single-token (decode) sequences first.
 
-    `split` and `row_tile` turn on the deterministic mode (see runner.py);
+    `split` and `row_tile` turn on the torch path's deterministic mode (see runner.py);
     `kv_heads` is the model's, for the torch decode path's gather indices;
-    `cpu_kernel` sends decode rows through the C++ kernel (no gather plan).
+    `cpu_kernel` sends decode rows through the C++ kernel (no gather plan), and with
+    `prefill_kernel` the prefill rows too (the plan then has a page-table row per sequence,
+    and per row its sequence and length).
     """
     for s in seqs:
         _check(s, page_size)
@@ -53,21 +56,26 @@ def build_batch(
     positions = [s.num_cached for s in decode]
     table, context_lens, decode_slots = _decode_tables(decode, page_size)
     slot_parts, chunks, row = [decode_slots], [], num_decode
+    every_row = cpu_kernel and prefill_kernel and split is None and not use_triton  # no torch prefill plan
     for s in prefill:
-        chunk, slots = _prefill_chunk(s, row, page_size, device)
+        chunk, slots = _prefill_chunk(s, row, page_size, device, every_row)
         chunks.append(chunk)
         slot_parts.append(slots)
         ids.extend(s.token_ids)
         positions.extend(range(s.num_cached, s.num_cached + len(s.token_ids)))
         row = chunk.end
-    table, context_lens = table.to(device), context_lens.to(device)
     cpu_kernel = cpu_kernel and split is None and not use_triton
+    row_seq = row_lens = None
+    if every_row and prefill:
+        table, row_seq, row_lens = _row_tables(decode, prefill, positions, page_size)
+    table, context_lens = table.to(device), context_lens.to(device)
     torch_path = split is None and not use_triton and not cpu_kernel
     buckets = decode_buckets(table, context_lens, page_size, kv_heads) if decode and torch_path else None
     plan = AttentionPlan(
         slots=torch.cat(slot_parts).to(device), num_decode=num_decode, page_table=table,
         context_lens=context_lens, page_size=page_size, decode_buckets=buckets,
         prefills=chunks, use_triton=use_triton, cpu_kernel=cpu_kernel, row_tile=row_tile,
+        prefill_kernel=every_row, row_seq=row_seq, row_lens=row_lens,
     )
     if split is not None:
         plan.split = _split_plan(decode, prefill, chunks, positions, page_size, split, device, use_triton)
@@ -105,11 +113,27 @@ def _decode_tables(decode: Sequence[_Seq], page_size: int):
     return table, (last + 1).to(torch.int32), slots
 
 
-def _prefill_chunk(s: _Seq, row: int, page_size: int, device):
+def _row_tables(decode: Sequence[_Seq], prefill: Sequence[_Seq], positions: list[int], page_size: int):
+    """For the C++ kernel over every row: a page-table row per sequence [B, P] int32 (decode ones
+    first, so decode row i reads row i), each row's sequence [T] and length (its position + 1) [T]."""
+    seqs = [*decode, *prefill]
+    widths = [pages_for(s.num_cached + len(s.token_ids), page_size) for s in seqs]
+    widest = max(widths)
+    table = torch.tensor([[*s.page_table[:w], *([0] * (widest - w))] for s, w in zip(seqs, widths)],
+                         dtype=torch.int32)
+    row_seq = [*range(len(decode)), *(len(decode) + i for i, s in enumerate(prefill) for _ in s.token_ids)]
+    return (table, torch.tensor(row_seq, dtype=torch.int32),
+            torch.tensor(positions, dtype=torch.int32) + 1)
+
+
+def _prefill_chunk(s: _Seq, row: int, page_size: int, device, slots_only: bool = False):
+    """The chunk's torch attention plan (unless `slots_only`) and its new tokens' cache rows."""
     n, cached = len(s.token_ids), s.num_cached
     pages = torch.tensor(s.page_table[: pages_for(cached + n, page_size)], dtype=torch.long)
-    context = torch.arange(cached + n)
+    context = torch.arange(cached if slots_only else 0, cached + n)
     context_slots = pages[context // page_size] * page_size + context % page_size
+    if slots_only:
+        return PrefillChunk(row, row + n, None, None), context_slots
     if not cached:
         return PrefillChunk(row, row + n, None, None), context_slots
     mask = context[None, :] <= (cached + torch.arange(n))[:, None]  # causal, offset by the prefix

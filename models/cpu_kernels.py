@@ -1,9 +1,11 @@
 """tercet's own CPU kernels (C++ in `csrc/`), compiled on first use.
 
-- `paged_decode_attention` reads each decode row's keys and values in place
-  through its page table, where the torch path copies every layer's context
-  out of the cache per step (`attention.bucketed_decode_attention`): 2.7-3.4x
-  less attention time per step at 32-64 rows here (benchmarks/bench_attention.py);
+- `paged_attention` reads each row's keys and values in place through its
+  sequence's page table, decode rows and prefill rows by the same code, so a row's
+  result does not depend on the batch, the chunking or the prefix cache; where the
+  torch path copies every layer's context out of the cache per step
+  (`attention.bucketed_decode_attention`) it takes 2.7-3.4x less attention time per
+  step at 32-64 decode rows (benchmarks/bench_attention.py);
 - `rope_store`, `add_rms_norm_`, `silu_mul`: a decoder layer's elementwise steps,
   one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
 - `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass;
@@ -120,9 +122,18 @@ def _find_ninja() -> None:
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size: int, scale: float):
+    """q [T, H, D], row r against the first lens[r] keys of sequence seq_of_row[r], read through
+    its row of page_table [B, P] from one layer's cache [S, KVH, D] -> [T, H, D]; decode rows and
+    prefill rows (their own K/V stored first) by the same code, in splits at fixed absolute
+    positions (csrc/paged_attention.cpp): a row's bits depend only on its query and its keys."""
+    return torch.ops.tercet.paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size, scale)
+
+
 def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size: int, scale: float):
-    """q [B, H, D] against each row's pages of one layer's cache [S, KVH, D] -> [B, H, D]."""
-    return torch.ops.tercet.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size, scale)
+    """q [B, H, D], one decode row per sequence, against each row's pages -> [B, H, D]."""
+    rows = torch.arange(len(q), dtype=torch.int32)
+    return paged_attention(q, k_cache, v_cache, page_table, rows, context_lens, page_size, scale)
 
 
 def add_rms_norm_(x, delta, weight, eps: float):

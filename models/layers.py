@@ -9,6 +9,7 @@ into one matmul each. Only inference: call under `torch.inference_mode()`.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
@@ -18,6 +19,7 @@ from . import cpu_kernels, invariant
 from .attention import AttentionPlan, attend
 from .errors import ModelLoadError
 
+log = logging.getLogger(__name__)
 
 class _Weights:
     def __init__(self, state_dict: dict[str, torch.Tensor], dtype, device) -> None:
@@ -94,6 +96,11 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         else:
             self.weight, self.packed = weight, None
+        # batch invariance where the path is not invariant by itself (CausalLM(invariant=True)):
+        # fixed tiles of `tile` rows, or products of at least `min_rows` rows (oneDNN's one-row
+        # kernel rounds otherwise; from two rows on its rows are checked invariant, `onednn_invariant`)
+        self.tile: int | None = None
+        self.min_rows = 1
 
     def dense(self) -> torch.Tensor:
         panels = self.panels
@@ -117,9 +124,18 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
+    @property
+    def invariant_by_itself(self) -> bool:
+        """Whether every row's product has the same bits whatever the number of rows: tercet's kernel
+        (one running sum per output over k in order)."""
+        return self.panels is not None or self.codes is not None
+
     def __call__(self, x: torch.Tensor, upcast: bool = False, tile: int | None = None) -> torch.Tensor:
-        if tile is not None and self.panels is None and self.codes is None:  # tercet's kernel is batch-invariant
+        tile = self.tile if tile is None else tile
+        if tile is not None and not self.invariant_by_itself:
             return invariant.tiled_linear(x, self.product, self.bias, tile, upcast and tile >= 8)
+        if x.shape[0] < self.min_rows and x.shape[0] > 0:  # padded with zero rows, dropped after
+            return self(torch.cat([x, x.new_zeros(self.min_rows - x.shape[0], x.shape[1])]), upcast)[: x.shape[0]]
         if upcast and x.shape[0] >= 8:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.dense().float(), bias).to(x.dtype)
@@ -177,7 +193,44 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> 
                 and _same_product(Linear(weight, bias, kernel=True)(x), F.linear(x, weight, bias))):
             return False
     mine, theirs = _summed_seconds(ours, other, shape[1], dtype, generator)
-    return mine < theirs
+    # the kernel serves unless clearly slower: a moment of a busy host must not drop it
+    serves = mine <= SLOWER * theirs
+    log.info("tercet's fp32 projection kernel %s: %.0f us vs %.0f us for %s over 1, 8 and 64 rows",
+             "serves" if serves else "not used, clearly slower", mine * 1e6, theirs * 1e6,
+             "oneDNN's prepacked weights" if other.packed is not None else "F.linear")
+    return serves
+
+
+# Rows at which `onednn_invariant` compares products: oneDNN and MKL pick kernels by the number
+# of rows (1, a few, register-block multiples, past DENSE_ROWS), so each of those regimes
+INVARIANCE_ROWS = (2, 3, 5, 8, 17, 33, 64, 129, 256, 515)  # 515: past DENSE_ROWS
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_invariant(dtype: torch.dtype, device: torch.device, dense: bool) -> bool:
+    """Whether oneDNN's prepacked products (`Linear(packed=True)`; with `dense`, also `F.linear` on
+    the plain weight from DENSE_ROWS rows on) give every row the bits it gets in a two-row product,
+    at 2 to ~500 rows, on SmolLM2's two projection widths (K = 576 and 1536) -- checked on this
+    machine once per process (~0.1 s), since which kernel oneDNN runs depends on the CPU.
+
+    One-row products are left out: oneDNN multiplies a single row by another kernel that rounds
+    differently (measured on an AVX512-BF16 EPYC, K = 1536: 3 of 40 rows in bf16, all in fp32), so
+    invariant callers pad them to two rows (`Linear.min_rows`). On that EPYC bf16 holds with
+    `dense`; fp32 holds only without it (MKL's sgemm from 512 rows rounds otherwise)."""
+    if not packing_pays(dtype, device):
+        return False
+    generator = torch.Generator().manual_seed(1)
+    for shape in ((1536, 576), (576, 1536)):
+        weight = torch.randn(shape, generator=generator).to(dtype)
+        linear = Linear(weight, torch.randn(shape[0], generator=generator).to(dtype), packed=True, keep_dense=dense)
+        x = torch.randn(max(INVARIANCE_ROWS) + 1, shape[1], generator=generator).to(dtype)
+        pairs = torch.cat([linear(x[i : i + 2]) for i in range(0, len(x) - 1, 2)])
+        for rows in INVARIANCE_ROWS:
+            if not torch.equal(linear(x[:rows]), pairs[:rows]):
+                log.info("oneDNN's %s products at %d rows differ from two-row ones%s", dtype, rows,
+                         " (F.linear past %d rows)" % DENSE_ROWS if dense and rows >= DENSE_ROWS else "")
+                return False
+    return True
 
 
 def _summed_seconds(first, second, width: int, dtype, generator) -> tuple[float, float]:
@@ -264,6 +317,7 @@ class _Layer:
             size = weight.numel() * weight.element_size()
             keep = pack and size <= model.dense_budget and dense_pays(weight.dtype, weight.device,
                                                                       tuple(weight.shape))
+            keep = keep and (not model.invariant or onednn_invariant(weight.dtype, weight.device, True))
             model.dense_budget -= size if keep else 0
             return Linear(weight, bias, pack, keep_dense=keep, kernel=model.kernel, codes=model.codes)
 
@@ -289,7 +343,7 @@ class _Layer:
         x = x + self.o(attn.reshape(len(x), cfg.q_size), cfg.upcast, tile)
         h = _rms_norm(x, self.post_norm, cfg.eps)
         gate, up = self.gate_up(h, cfg.upcast, tile).chunk(2, dim=-1)
-        act = F.silu(gate) if tile is None else invariant.silu(gate)
+        act = F.silu(gate) if tile is None and not cfg.invariant else invariant.silu(gate)
         return x + self.down(act * up, cfg.upcast, tile)
 
 
@@ -297,7 +351,10 @@ class CausalLM:
     """Weights and forward pass; the KV cache belongs to the caller (the runner)."""
 
     def __init__(self, config, state_dict, dtype=torch.bfloat16, device="cpu", upcast=False,
-                 packed: bool | None = None, kernel: bool | None = None, codes: bool | None = None) -> None:
+                 packed: bool | None = None, kernel: bool | None = None, codes: bool | None = None,
+                 invariant: bool = False) -> None:
+        """`invariant`: every projection gives a row the same bits whatever the number of rows
+        (`_make_invariant`); the runner's deterministic mode, with attention from the C++ kernel."""
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -307,6 +364,8 @@ class CausalLM:
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.dtype, self.device = dtype, torch.device(device)
+        self.invariant = invariant
+        self.invariant_paths: dict[str, int] = {}  # how many projections are invariant by which path
         self.upcast = upcast and dtype == torch.bfloat16  # see Linear
         # tercet's fp32 projection kernel (see Linear); None: where it pays on this machine
         self.kernel = kernel_pays(dtype, self.device) if kernel is None else kernel
@@ -326,6 +385,27 @@ class CausalLM:
         self.lm_head = Linear(self.embed if head is None else head, None, self.packed,  # tied embeddings
                               kernel=self.kernel, codes=self.codes)
         self.inv_freq = self.inv_freq.to(self.device)
+        if invariant:
+            self._make_invariant()
+
+    def _make_invariant(self) -> None:
+        """tercet's kernel is invariant as it is; oneDNN's prepacked products are where this machine
+        shows them so from two rows on (`onednn_invariant`: one-row products are padded to two);
+        anything else multiplies in fixed tiles of rows (`invariant.tiled_linear`, ~2x slower)."""
+        paths = {"tercet's kernel": 0, "oneDNN, one row padded to two": 0, "fixed row tiles": 0}
+        for lin in self.projections():
+            if lin.invariant_by_itself:
+                paths["tercet's kernel"] += 1
+            elif (lin.packed is not None and not self.upcast
+                  and onednn_invariant(self.dtype, self.device, lin.weight is not None)):
+                lin.min_rows = 2
+                paths["oneDNN, one row padded to two"] += 1
+            else:
+                lin.tile = invariant.row_tile(self.dtype)
+                paths["fixed row tiles"] += 1
+        log.info("batch-invariant projections (%s): %s", self.dtype,
+                 ", ".join(f"{n} by {path}" for path, n in paths.items() if n))
+        self.invariant_paths = {path: n for path, n in paths.items() if n}
 
     def projections(self) -> list[Linear]:
         """Every layer's projections, then the LM head."""

@@ -114,13 +114,20 @@ class ModelRunner:
         dtype = dtype if dtype is not None else default_dtype(self.device)
         self.dtype = dtype
         self.deterministic = deterministic
-        self.row_tile = invariant.row_tile(dtype) if deterministic else None
-        self.split = DEFAULT_SPLIT if deterministic else None
+        # the C++ kernels (decode attention, fused elementwise ops; in the deterministic mode every
+        # row's attention and batch-invariant projections); without them the deterministic mode
+        # takes the torch path's split-KV attention and fixed row tiles (~2-3x slower)
+        self.cpu_kernel = self.device.type == "cpu" and cpu_kernels.load()
+        self.prefill_kernel = deterministic and self.cpu_kernel
+        torch_path = deterministic and not self.cpu_kernel
+        self.row_tile = invariant.row_tile(dtype) if torch_path else None
+        self.split = DEFAULT_SPLIT if torch_path else None
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
         self.max_context_len = getattr(model.config, "max_position_embeddings", None)
         upcast = self.device.type == "cpu" and not cpu_has_bf16()
-        self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast)
+        self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast,
+                              invariant=self.prefill_kernel)
         self.kv = KVCache(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, dtype=dtype, device=self.device,
@@ -129,8 +136,6 @@ class ModelRunner:
         self.use_triton = (
             self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         )
-        # the deterministic mode keeps its split-KV attention (decode and prefill rows alike)
-        self.cpu_kernel = self.device.type == "cpu" and not deterministic and cpu_kernels.load()
 
     @property
     def context_len(self) -> int:
@@ -145,7 +150,8 @@ class ModelRunner:
         for name in SHAPE_FIELDS:
             if old[name] != new[name]:
                 raise ModelLoadError(f"{path}: {name} is {new[name]}, the running model has {old[name]}")
-        self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast)
+        self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast,
+                              invariant=self.prefill_kernel)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqInput]) -> StepOutput:
@@ -190,6 +196,7 @@ class ModelRunner:
         batch = build_batch(
             [seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton,
             self.split, self.row_tile, kv_heads=self.model.num_kv_heads, cpu_kernel=self.cpu_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
         if self.model.upcast:
             batch.plan.compute_dtype = torch.float32

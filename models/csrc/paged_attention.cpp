@@ -1,17 +1,17 @@
-// Decode attention straight from the paged KV cache, on CPU.
+// Attention straight from the paged KV cache, on CPU: decode rows and prefill rows alike.
 //
-// One query token per row attends to its own context through its page
-// table: keys and values are read in place, once, with no gathered copy of
-// the context (the torch path copies every layer's context per step).
-// Work is split over (row, kv head) pairs; a pair's result is computed by
-// the same code in the same order whatever else is in the batch, so a
-// row's output does not depend on the batch.
+// Each query row attends to the first `lens[row]` keys of its sequence through the
+// sequence's page table: keys and values are read in place, once, with no gathered copy
+// of the context. A row's keys go in splits at fixed absolute positions (kSplit keys), each
+// split reduced on its own and the splits folded in order, by the same code whatever the
+// row is: a decode token, a token of a prefill chunk (its own K/V stored first), after a
+// cached prefix or not. So a row's output depends only on its query, its position and its
+// sequence's K/V -- not on the batch, the chunking, the prefix cache or the threads.
 //
-// q [B, H, D], k_cache / v_cache [S, KVH, D], page_table [B, P] int32,
-// context_lens [B] int32 -> out [B, H, D]. The H / KVH query heads of a
-// group read their kv head together; scores, softmax and sums are fp32.
-// With AVX-512 or AVX2 (vec.h) and D = 64, 128 or 256 a vector path runs,
-// else a portable one.
+// q [T, H, D], k_cache / v_cache [S, KVH, D], page_table [B, P] int32 (one row per
+// sequence), seq_of_row [T] int32, lens [T] int32 -> out [T, H, D]. The H / KVH query
+// heads of a group read their kv head together; scores, softmax and sums are fp32. With
+// AVX-512 or AVX2 (vec.h) and D = 64, 128 or 256 a vector path runs, else a portable one.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,44 +43,55 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// The portable path: any head size, any instruction set.
+// Keys per split: a query attends its keys in splits at fixed absolute positions
+// [j * kSplit, (j + 1) * kSplit), each split reduced on its own, then the splits folded in
+// order j = 0, 1, ... So a query's result depends only on its position and its sequence's
+// K/V: not on whether it is a decode row or a row of a prefill chunk, how the chunk was cut,
+// whether its prefix came from the cache, or which thread computed which split.
+constexpr int64_t kSplit = 256;
+
+// One split's partial result for the `group` query heads of a kv head: acc [group][dim]
+// (the exp-weighted values, not yet divided), then max [group], then sum [group].
+inline int64_t partial_size(int64_t group, int64_t dim) { return group * (dim + 2); }
+
+// The portable split: any head size, any instruction set.
 template <typename T>
-void attend_pair(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len, T* out,
-                 const Shape& s, int64_t h, std::vector<float>& scores) {
-  const int64_t group = s.heads / s.kv_heads, dim = s.dim, stride = s.kv_heads * dim;
-  std::vector<float> query(group * dim), acc(group * dim, 0.f), total(group, 0.f);
-  for (int64_t i = 0; i < group * dim; ++i) query[i] = to_float(q[i]) * s.scale;
-  scores.resize(group * len);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_cache + slot_of(pages, t, s.page_size) * stride + h * dim;
+void split_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t begin,
+                  int64_t end, const Shape& s, int64_t h, float* scores, float* part) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim, stride = s.kv_heads * dim, n = end - begin;
+  float* acc = part;
+  float* top = part + group * dim;
+  float* total = top + group;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = k_cache + slot_of(pages, begin + t, s.page_size) * stride + h * dim;
     for (int64_t g = 0; g < group; ++g) {
       float dot = 0.f;
-      for (int64_t d = 0; d < dim; ++d) dot += query[g * dim + d] * to_float(k[d]);
-      scores[g * len + t] = dot;
+      for (int64_t d = 0; d < dim; ++d) dot += to_float(q[g * dim + d]) * s.scale * to_float(k[d]);
+      scores[g * kSplit + t] = dot;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * len;
-    const float top = *std::max_element(row, row + len);
-    for (int64_t t = 0; t < len; ++t) {
-      row[t] = std::exp(row[t] - top);
+    float* row = scores + g * kSplit;
+    top[g] = *std::max_element(row, row + n);
+    total[g] = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      row[t] = std::exp(row[t] - top[g]);
       total[g] += row[t];
     }
+    std::fill(acc + g * dim, acc + (g + 1) * dim, 0.f);
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = v_cache + slot_of(pages, t, s.page_size) * stride + h * dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = v_cache + slot_of(pages, begin + t, s.page_size) * stride + h * dim;
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * len + t];
+      const float p = scores[g * kSplit + t];
       for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * to_float(v[d]);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] / total[g]);
 }
 
 template <typename T>
-using PairFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, T*, const Shape&, int64_t,
-                        std::vector<float>&);
+using SplitFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t, const Shape&, int64_t,
+                         float*, float*);
 
 #if TERCET_VEC
 constexpr int kAhead = 16;  // keys prefetched ahead: the hardware misses the per-head stride
@@ -91,44 +102,49 @@ inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
 }
-// kv head h of token t's cache slot as C vectors of L floats; prefetches the slot kAhead on
+// kv head h of token t's cache slot as C vectors of L floats; prefetches the slot kAhead on (before `end`)
 template <typename T, int C>
-inline void load_head(const T* cache, const int32_t* pages, int64_t t, int64_t len, const Shape& s, int64_t h,
+inline void load_head(const T* cache, const int32_t* pages, int64_t t, int64_t end, const Shape& s, int64_t h,
                       vec::vf (&out)[C]) {
   const int64_t stride = s.kv_heads * C * L;
   const T* x = cache + slot_of(pages, t, s.page_size) * stride + h * C * L;
-  if (t + kAhead < len) prefetch(cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * L, C * L);
+  if (t + kAhead < end) prefetch(cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * L, C * L);
   for (int c = 0; c < C; ++c) out[c] = vec::load(x + c * L);
 }
 
 constexpr int kMaxGroup = 16;   // query heads per kv head
 
+// One split [begin, end) of keys for the query heads of kv head h: a score per key (one
+// vector of products over d, then its lanes added), the split's max, exp and sum (lane j
+// adding the keys at positions = j mod L: kSplit is a multiple of L), and the weighted
+// values in key order.
 template <typename T, int C>
-void attend_pair_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t len,
-                     T* out, const Shape& s, int64_t h, std::vector<float>& scores) {
+void split_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t begin, int64_t end,
+               const Shape& s, int64_t h, float* scores, float* part) {
   using namespace vec;
-  const int64_t group = s.heads / s.kv_heads;
-  const int64_t padded = (len + L - 1) / L * L;
-  scores.resize(group * padded);
+  const int64_t group = s.heads / s.kv_heads, dim = C * L, n = end - begin;
+  const int64_t padded = (n + L - 1) / L * L;
   vf query[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c) query[g][c] = mul(load(q + g * C * L + c * L), set1(s.scale));
-  for (int64_t t = 0; t < len; ++t) {
+    for (int c = 0; c < C; ++c) query[g][c] = mul(load(q + g * dim + c * L), set1(s.scale));
+  for (int64_t t = begin; t < end; ++t) {
     vf key[C];
-    load_head<T, C>(k_cache, pages, t, len, s, h, key);
+    load_head<T, C>(k_cache, pages, t, end, s, h, key);
     for (int64_t g = 0; g < group; ++g) {
       vf dot = mul(query[g][0], key[0]);
       for (int c = 1; c < C; ++c) dot = fmadd(query[g][c], key[c], dot);
-      scores[g * padded + t] = reduce_add(dot);
+      scores[g * kSplit + t - begin] = reduce_add(dot);
     }
   }
-  float total[kMaxGroup];
+  float* top = part + group * dim;
+  float* total = top + group;
   for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * padded;
-    std::fill(row + len, row + padded, -INFINITY);
-    vf top = set1(-INFINITY);
-    for (int64_t t = 0; t < padded; t += L) top = max(top, load(row + t));
-    const vf m = set1(reduce_max(top));
+    float* row = scores + g * kSplit;
+    std::fill(row + n, row + padded, -INFINITY);
+    vf best = set1(-INFINITY);
+    for (int64_t t = 0; t < padded; t += L) best = max(best, load(row + t));
+    top[g] = reduce_max(best);
+    const vf m = set1(top[g]);
     vf sum = zero();
     for (int64_t t = 0; t < padded; t += L) {
       const vf e = vec::exp(sub(load(row + t), m));
@@ -140,63 +156,118 @@ void attend_pair_vec(const T* q, const T* k_cache, const T* v_cache, const int32
   vf acc[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = zero();
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = begin; t < end; ++t) {
     vf value[C];
-    load_head<T, C>(v_cache, pages, t, len, s, h, value);
+    load_head<T, C>(v_cache, pages, t, end, s, h, value);
     for (int64_t g = 0; g < group; ++g) {
-      const vf p = set1(scores[g * padded + t]);
+      const vf p = set1(scores[g * kSplit + t - begin]);
       for (int c = 0; c < C; ++c) acc[g][c] = fmadd(p, value[c], acc[g][c]);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const vf inv = set1(1.f / total[g]);
-    for (int c = 0; c < C; ++c) store(out + g * C * L + c * L, mul(acc[g][c], inv));
-  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) store(part + g * dim + c * L, acc[g][c]);
 }
 
 template <typename T>
-PairFn<T> vector_path(int64_t dim, int64_t group) {
+SplitFn<T> vector_path(int64_t dim, int64_t group) {
   if (group > kMaxGroup) return nullptr;
   switch (dim) {
-    case 64: return attend_pair_vec<T, 64 / L>;
-    case 128: return attend_pair_vec<T, 128 / L>;
-    case 256: return attend_pair_vec<T, 256 / L>;
+    case 64: return split_vec<T, 64 / L>;
+    case 128: return split_vec<T, 128 / L>;
+    case 256: return split_vec<T, 256 / L>;
     default: return nullptr;
   }
 }
 #else
 template <typename T>
-PairFn<T> vector_path(int64_t, int64_t) { return nullptr; }
+SplitFn<T> vector_path(int64_t, int64_t) { return nullptr; }
 #endif
 
+// The splits of one (row, kv head) folded in order: out = sum_j w_j acc_j / sum_j w_j sum_j,
+// w_j = exp(max_j - max). With one split w_0 is exactly 1.
 template <typename T>
-void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* page_table,
-                 const int32_t* context_lens, T* out, int64_t batch, const Shape& s) {
-  const int64_t group = s.heads / s.kv_heads;
-  PairFn<T> pair = vector_path<T>(s.dim, group);
-  if (pair == nullptr) pair = attend_pair<T>;
-  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+void fold(const float* parts, int64_t splits, int64_t group, int64_t dim, T* out) {
+  const int64_t size = partial_size(group, dim);
+  std::vector<float> acc(static_cast<size_t>(dim));
+  for (int64_t g = 0; g < group; ++g) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < splits; ++j) top = std::max(top, parts[j * size + group * dim + g]);
+    float total = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < splits; ++j) {
+      const float* part = parts + j * size;
+      const float w = std::exp(part[group * dim + g] - top);
+      total += part[group * dim + group + g] * w;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * part[g * dim + d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+inline int64_t splits_of(int64_t len) { return (len + kSplit - 1) / kSplit; }
+
+// Every row: its query heads against its sequence's first `lens[row]` keys, through the
+// sequence's page table. Work goes to threads by (row, kv head), or, when those are too few
+// to keep the threads busy (a few long decode rows), by (row, kv head, split): the same
+// splits and the same fold either way.
+template <typename T>
+void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* page_table, const int32_t* seq_of,
+                 const int32_t* lens, T* out, int64_t rows, const Shape& s) {
+  const int64_t group = s.heads / s.kv_heads, size = partial_size(group, s.dim);
+  SplitFn<T> split = vector_path<T>(s.dim, group);
+  if (split == nullptr) split = split_scalar<T>;
+  const auto query = [&](int64_t row, int64_t h) { return q + (row * s.heads + h * group) * s.dim; };
+  const auto pages = [&](int64_t row) { return page_table + static_cast<int64_t>(seq_of[row]) * s.max_pages; };
+  const int64_t items = rows * s.kv_heads;
+  int64_t most = 0;
+  for (int64_t r = 0; r < rows; ++r) most = std::max<int64_t>(most, splits_of(lens[r]));
+  if (most <= 1 || items >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(group * kSplit)), parts;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t row = item / s.kv_heads, h = item % s.kv_heads, len = lens[row], n = splits_of(len);
+        parts.resize(static_cast<size_t>(n * size));
+        for (int64_t j = 0; j < n; ++j)
+          split(query(row, h), k_cache, v_cache, pages(row), j * kSplit, std::min(len, (j + 1) * kSplit), s, h,
+                scores.data(), parts.data() + j * size);
+        fold<T>(parts.data(), n, group, s.dim, out + (row * s.heads + h * group) * s.dim);
+      }
+    });
+    return;
+  }
+  std::vector<float> parts(static_cast<size_t>(items * most * size));
+  at::parallel_for(0, items * most, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(group * kSplit));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t item = task / most, j = task % most, row = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t len = lens[row];
+      if (j * kSplit >= len) continue;
+      split(query(row, h), k_cache, v_cache, pages(row), j * kSplit, std::min(len, (j + 1) * kSplit), s, h,
+            scores.data(), parts.data() + task * size);
+    }
+  });
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / s.kv_heads, h = item % s.kv_heads;
-      const int64_t offset = (b * s.heads + h * group) * s.dim;
-      pair(q + offset, k_cache, v_cache, page_table + b * s.max_pages, context_lens[b], out + offset, s, h, scores);
+      const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
+      fold<T>(parts.data() + item * most * size, splits_of(lens[row]), group, s.dim,
+              out + (row * s.heads + h * group) * s.dim);
     }
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& page_table, const at::Tensor& context_lens,
-                                  int64_t page_size, double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& page_table, const at::Tensor& seq_of_row, const at::Tensor& lens,
+                           int64_t page_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "q must be [B, H, D] and the caches [S, KVH, D]");
+              "q must be [T, H, D] and the caches [S, KVH, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
-  TORCH_CHECK(page_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "page_table and context_lens must be int32");
-  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) && context_lens.numel() == q.size(0),
-              "one page-table row and one length per query row");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && seq_of_row.scalar_type() == at::kInt &&
+                  lens.scalar_type() == at::kInt, "page_table, seq_of_row and lens must be int32");
+  TORCH_CHECK(page_table.dim() == 2 && seq_of_row.numel() == q.size(0) && lens.numel() == q.size(0),
+              "a page-table row per sequence, a sequence and a length per query row");
   TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
   const Shape s{q.size(1), k_cache.size(1), q.size(2), page_table.size(1), page_size, static_cast<float>(scale)};
   TORCH_CHECK(k_cache.size(2) == s.dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
@@ -205,13 +276,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const auto k_in = k_cache.contiguous();
   const auto v_in = v_cache.contiguous();
   const auto table = page_table.contiguous();
-  const auto lens = context_lens.contiguous();
-  const int32_t* len_of = lens.data_ptr<int32_t>();
+  const auto seqs = seq_of_row.contiguous();
+  const auto len = lens.contiguous();
+  const int32_t* len_of = len.data_ptr<int32_t>();
+  const int32_t* seq_of = seqs.data_ptr<int32_t>();
   const int32_t* page_of = table.data_ptr<int32_t>();
-  const int64_t num_pages = k_cache.size(0) / page_size;
-  for (int64_t b = 0; b < q.size(0); ++b) {  // every page read must lie in the cache
-    TORCH_CHECK(len_of[b] >= 1 && len_of[b] <= s.max_pages * page_size, "context length out of range");
-    for (int64_t p = 0; p < (len_of[b] + page_size - 1) / page_size; ++p) {
+  const int64_t num_pages = k_cache.size(0) / page_size, num_seqs = page_table.size(0);
+  std::vector<int64_t> longest(static_cast<size_t>(num_seqs), 0);
+  for (int64_t r = 0; r < q.size(0); ++r) {
+    TORCH_CHECK(seq_of[r] >= 0 && seq_of[r] < num_seqs, "sequence ", seq_of[r], " out of range");
+    TORCH_CHECK(len_of[r] >= 1 && len_of[r] <= s.max_pages * page_size, "context length out of range");
+    longest[seq_of[r]] = std::max<int64_t>(longest[seq_of[r]], len_of[r]);
+  }
+  for (int64_t b = 0; b < num_seqs; ++b) {  // every page read must lie in the cache
+    for (int64_t p = 0; p < (longest[b] + page_size - 1) / page_size; ++p) {
       const int32_t page = page_of[b * s.max_pages + p];
       TORCH_CHECK(page >= 0 && page < num_pages, "page ", page, " out of range");
     }
@@ -219,14 +297,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty_like(q_in);
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
-    decode_rows<scalar_t>(q_in.data_ptr<scalar_t>(), k_in.data_ptr<scalar_t>(), v_in.data_ptr<scalar_t>(),
-                          table.data_ptr<int32_t>(), len_of, out.data_ptr<scalar_t>(), q.size(0), s);
+    attend_rows<scalar_t>(q_in.data_ptr<scalar_t>(), k_in.data_ptr<scalar_t>(), v_in.data_ptr<scalar_t>(), page_of,
+                          seq_of, len_of, out.data_ptr<scalar_t>(), q.size(0), s);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
     case at::kBFloat16: run(c10::BFloat16{}); break;
     case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16, not ", q.scalar_type());
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, not ", q.scalar_type());
   }
   return out;
 }
@@ -234,7 +312,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 TORCH_LIBRARY(tercet, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
-        "Tensor context_lens, int page_size, float scale) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_of_row, "
+        "Tensor lens, int page_size, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

@@ -108,15 +108,17 @@ def test_missing_sources_leave_the_torch_path(monkeypatch, tmp_path, caplog):
 
 @needs_compiler
 def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
-    """The same greedy tokens and close logprobs with the kernel and with the torch path."""
+    """The same greedy tokens and close logprobs with the kernel (decode rows; in the deterministic
+    mode every row) and with the torch path."""
     model = tiny_model(seed=3)
     fast = ModelRunner(model, dtype=torch.float32, page_size=4)
+    every_row = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=True)
     slow = ModelRunner(model, dtype=torch.float32, page_size=4)
     slow.cpu_kernel = False
-    assert fast.cpu_kernel and not ModelRunner(model, deterministic=True).cpu_kernel
+    assert fast.cpu_kernel and not fast.prefill_kernel and every_row.prefill_kernel
     prompts = [[1, 5, 9, 2, 7], list(range(3, 40)), [11] * 12]
     results = []
-    for runner in (fast, slow):
+    for runner in (fast, every_row, slow):
         tables = [runner.kv.allocate(runner.kv.pages_for(len(p) + 8)) for p in prompts]
         out = runner.step([SeqInput(p, t) for p, t in zip(prompts, tables)])
         tokens, logprobs = [out.token_ids], [out.logprobs]
@@ -126,8 +128,9 @@ def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
             tokens.append(out.token_ids)
             logprobs.append(out.logprobs)
         results.append((tokens, logprobs))
-    assert results[0][0] == results[1][0]
-    torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(results[1][1]), atol=1e-4, rtol=1e-4)
+    for tokens, logprobs in results[:2]:
+        assert tokens == results[2][0]
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(results[2][1]), atol=1e-4, rtol=1e-4)
 
 
 @needs_compiler

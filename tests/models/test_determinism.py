@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from models.loading import to_transformers
+from models import runner as runner_module
 from models.runner import ModelRunner, SeqInput, generate
 from models.sampling import GREEDY, SamplingParams
 
@@ -170,10 +171,11 @@ def test_seeded_sampling_with_filters_and_penalties_is_invariant_too(tiny_llama,
     assert resumed[0].equal(logits)
 
 
-def test_bf16_with_fp32_upcast_gemms_is_invariant_too(tiny_llama):
-    """CPUs without bf16 units multiply bf16 as fp32 sgemm (layers._linear's `upcast`)."""
+def test_bf16_with_fp32_upcast_gemms_is_invariant_too(tiny_llama, monkeypatch):
+    """CPUs without bf16 units multiply bf16 as fp32 sgemm (layers.Linear's `upcast`)."""
+    monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: False)
     runner = make_runner(tiny_llama, torch.bfloat16)
-    runner.model.upcast = True
+    assert runner.model.upcast
     rnd = random.Random(7)
     prompt = random_ids(rnd, 30)
     logits, ids, logprobs = run(runner, prompt, 4)
