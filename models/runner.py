@@ -10,23 +10,30 @@ padding into one forward pass.
 own sequence (tokens and position): not on the rest of the batch, whether
 its prefix came from the cache, how its prompt was chunked, or whether it
 was decoded or re-prefilled. So greedy output and logprobs are bitwise
-reproducible, also across a crash-resume. It costs speed (see
-benchmarks/bench_model.py --deterministic). What it changes:
+reproducible, also across a crash-resume. Where tercet's C++ kernels build
+(`cpu_kernels.py`) it is the fast path itself, at 1-4 % of the speed
+(benchmarks/bench_model.py --deterministic), and the server's default:
 
-- every GEMM runs in fixed tiles of `row_tile` rows (`invariant.py`);
-- attention is split-KV over absolute positions, the same code for decode
-  and prefill rows, reading K/V back from the cache (`split_attention.py`);
-- silu is composed of position-independent ops (the logprobs' normaliser
-  is reduced per row, on one thread, in either mode, `sampling.py`).
+- attention for every row, decode and prefill, through one kernel that
+  reduces a query's keys in splits at fixed absolute positions
+  (`cpu_kernels.paged_attention`), reading K/V back from the cache after
+  the step's own are stored;
+- projections through tercet's GEMM (one running sum per output over k in
+  order), or oneDNN's prepacked weights where this machine shows them
+  invariant from two rows on (one-row products padded to two,
+  `layers.onednn_invariant`), else fixed tiles of rows (`invariant.py`);
+- the elementwise steps, norms and sampler are per row already.
 
-Outside it, on CPU, tercet's C++ kernels (`cpu_kernels.py`) take decode
-attention and the layer's elementwise steps.
+Without the kernels it falls back to the torch path's split-KV attention
+(`split_attention.py`) and fixed row tiles, 2-3x slower. Outside the mode,
+prefill rows attend through SDPA and oneDNN may multiply one row by its
+one-row kernel.
 
 It is claimed for one machine, torch/MKL/oneDNN build and thread count
-(the tiles gave the same bits with 1 and 2 threads here, but GEMM kernels
-may split work by thread count elsewhere), and on CPU only: on CUDA the
-triton split-KV kernel is invariant by construction but the GEMMs and
-norms there were never measured, so the runner refuses.
+(oneDNN's invariance is checked at start-up on the machine itself), and
+on CPU only: on CUDA the triton split-KV kernel is invariant by
+construction but the GEMMs and norms there were never measured, so the
+runner refuses.
 """
 
 from __future__ import annotations
@@ -136,6 +143,15 @@ class ModelRunner:
         self.use_triton = (
             self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         )
+
+    def invariance(self) -> dict | None:
+        """What makes a sequence's logits independent of the batch (None when the mode is off)."""
+        if not self.deterministic:
+            return None
+        if self.prefill_kernel:
+            return {"attention": "tercet's C++ kernel, every row", "projections": dict(self.model.invariant_paths)}
+        return {"attention": f"split-KV (torch), splits of {self.split} keys",
+                "projections": f"fixed tiles of {self.row_tile} rows"}
 
     @property
     def context_len(self) -> int:

@@ -22,6 +22,7 @@ import trio
 import torch
 
 from actors import Actor, ActorChild, Context, StepWatchdog
+from transports import Refused
 from models.errors import ModelLoadError
 from models.loading import load_model, load_tokenizer, tiny_model
 from models.runner import ModelRunner, StepOutput
@@ -36,11 +37,13 @@ from .messages import (
     FinishReason,
     FlushCacheReq,
     GenerateReq,
+    GenerateReqId,
     HealthProbe,
     SchedulerInbox,
     ServerInfoReq,
     StopStringHit,
     UpdateWeightsReq,
+    wire_field,
 )
 from .radix_cache import RadixCache
 
@@ -61,7 +64,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     schedule_policy: str = "fcfs"
     stream_interval: int = 1
     enable_prefix_cache: bool = True
-    deterministic: bool = False  # batch-invariant kernels: the same logits whatever else runs
+    deterministic: bool = True  # batch-invariant kernels: the same logits whatever else runs (CPU)
     step_timeout: float = 120.0
     threads: int | None = None  # torch's intra-op threads in this scheduler; None: torch's default
     detokenizer: str = "inproc://detokenizer"
@@ -73,16 +76,28 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
         torch.set_num_threads(config.threads)
     loaded = tiny_model() if config.model == "tiny" else load_model(config.model)
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    runner = ModelRunner(loaded, dtype=dtype, device=resolve_device(config.device),
+    device = resolve_device(config.device)
+    deterministic = config.deterministic and torch.device(device).type == "cpu"
+    if config.deterministic and not deterministic:
+        log.warning("deterministic inference is measured on CPU only: off on %s", device)
+    runner = ModelRunner(loaded, dtype=dtype, device=device,
                          page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
-                         deterministic=config.deterministic)
+                         deterministic=deterministic)
     projections = runner.model.projections()
     coded = sum(lin.codes is not None for lin in projections)
     gemm = (f", tercet's fp32 GEMM ({coded} of {len(projections)} projections as GGUF block codes)"
             if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
-    log.info("model runner: %s (dtype %s), %s, %d threads%s%s", runner.dtype, config.dtype, runner.device,
-             torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm)
+    log.info("model runner: %s (dtype %s), %s, %d threads%s%s; deterministic inference %s", runner.dtype,
+             config.dtype, runner.device, torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm,
+             _described(runner.invariance()) if runner.deterministic else "off")
     return runner
+
+
+def _described(invariance: dict[str, Any]) -> str:
+    projections = invariance["projections"]
+    if isinstance(projections, dict):
+        projections = ", ".join(f"{n} by {path}" for path, n in projections.items())
+    return f"on (attention: {invariance['attention']}; projections: {projections})"
 
 
 def resolve_device(device: str) -> str:
@@ -127,6 +142,7 @@ STEP_THREADS = _StepThreads()  # one per process: it guards the process's exit
 
 class Scheduler(Actor):
     inbox = SchedulerInbox
+    salvage = GenerateReqId  # a GenerateReq the mailbox refuses ends with an error, not in silence
 
     def __init__(self, config: SchedulerConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
@@ -195,6 +211,8 @@ class Scheduler(Actor):
                     self._wait_for_grammars(msg)
                 else:
                     self._end(self._add(msg))
+            case Refused(GenerateReqId() as refused, error):
+                self._refused(refused, error.detail)
             case AbortReq(rid, message):
                 if any(m.rid == rid for m in self._awaiting_grammars):
                     self._aborted_waiting.add(rid)
@@ -227,6 +245,15 @@ class Scheduler(Actor):
             log.exception("request %s could not be queued", msg.rid)
             return self.state.refuse(msg, FinishReason(
                 "abort", status_code=400, message=f"the request could not be scheduled: {exc!r}"))
+
+    def _refused(self, refused: GenerateReqId, detail: str) -> None:
+        """A GenerateReq the mailbox could not read: it ends with an error naming the field
+        (never in silence: its client would wait forever), unless its rid runs here already."""
+        log.warning("request %s refused on receipt: %s", refused.rid, detail)
+        if refused.rid in self.state.by_rid:  # a message that is not the one running: that one goes on
+            return
+        self._end(self.state.refuse(refused, FinishReason(
+            "abort", status_code=400, message=f"the scheduler refused this request: {wire_field(detail)}")))
 
     async def _update_weights(self, path: str) -> dict[str, Any]:
         """New weights of the same shape; only between requests (the HTTP layer drains first)."""
@@ -268,6 +295,8 @@ class Scheduler(Actor):
             "boot": self.boot,
             "scheduler": msgspec.to_builtins(self.config),
             "device": str(self.runner.device),
+            "deterministic_inference": self.runner.deterministic,  # what runs, not only what was asked
+            "invariance": self.runner.invariance(),
             "max_context_len": self.runner.context_len,
             "waiting": len(state.waiting),
             "running": len(state.running),

@@ -88,9 +88,10 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     # send each request's tokens every so many (SGLang's --stream-interval): fewer, larger stream
     # events for less CPU per token; the first token and the last are sent at once
     stream_interval: int = 1
-    # batch-invariant kernels (SGLang's --enable-deterministic-inference): a request's greedy output
-    # is the same whatever else runs, and a resumed stream continues with exactly its text
-    enable_deterministic_inference: bool = False
+    # batch-invariant kernels (SGLang's --enable-deterministic-inference), on by default where tercet's
+    # CPU kernels build (they cost 1-4 %): a request's greedy output is the same whatever else runs,
+    # and a resumed stream continues with exactly its text; off on CUDA (not measured there)
+    enable_deterministic_inference: bool = True
     # torch threads per scheduler; default: torch's (one per core), divided among the replicas run on
     # this host (two schedulers spinning two threads each on two cores run several times slower)
     threads: int | None = None

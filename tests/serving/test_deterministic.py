@@ -1,6 +1,6 @@
-"""Deterministic inference through the server: with ``enable_deterministic_inference`` a greedy
-request's tokens do not depend on what else runs, on the prefix cache, on the chunked-prefill
-size, nor on a crash resume — in bf16, where the default kernels round differently."""
+"""Deterministic inference through the server, the default: a greedy request's tokens and
+logprobs do not depend on what else runs, on the prefix cache, on the chunked-prefill size, nor
+on a crash resume -- and with ``--disable-deterministic-inference`` they do (the control)."""
 
 import os
 import random
@@ -10,13 +10,14 @@ import httpx
 import pytest
 import trio
 
-from models.runner import cpu_has_bf16
+from serving.managers.messages import ServerInfoReq
 from serving.runtime.engine import open_engine
 
 from .test_http import start_server
 from .test_recovery import run_all, scheduler_pid
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+DTYPES = ["bfloat16", "float32"]
 
 
 def prompts(n, seed):
@@ -24,42 +25,52 @@ def prompts(n, seed):
     return [[rng.randrange(3, 49152) for _ in range(rng.randint(4, 60))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-async def test_greedy_tokens_do_not_depend_on_the_batch_the_cache_or_chunking(dtype):
-    batch = prompts(12, seed=3)
-    options = {"dtype": dtype, "enable_deterministic_inference": True}
+def tokens_and_logprobs(results):
+    return [(r["output_ids"], r["logprobs"]) for r in results]
+
+
+async def runs(batch, shared, **options):
+    """Each prompt alone, then the batch together (cached prefixes by then), then prompts with a
+    common prefix, alone; then the same on a server with chunks of 7 tokens and no prefix cache."""
     async with open_engine("tiny", **options) as engine:
-        alone = [(await engine.generate([p], GREEDY))[0]["output_ids"] for p in batch]
-        together = [r["output_ids"] for r in await engine.generate(batch, GREEDY)]  # cached prefixes now
-        assert together == alone
-        shared = [batch[0][:30] + p for p in batch[1:6]]  # a common prefix, computed once, then cached
-        shared_alone = [(await engine.generate([p], GREEDY))[0]["output_ids"] for p in shared]
+        info = engine.runtime.tokenizer_manager
+        alone = [tokens_and_logprobs(await engine.generate([p], GREEDY, return_logprob=True))[0] for p in batch]
+        together = tokens_and_logprobs(await engine.generate(batch, GREEDY, return_logprob=True))
+        shared_alone = [tokens_and_logprobs(await engine.generate([p], GREEDY, return_logprob=True))[0]
+                        for p in shared]
+        scheduler = await info.call_scheduler(ServerInfoReq(), timeout=10.0)
     async with open_engine("tiny", chunked_prefill_size=7, enable_prefix_cache=False, **options) as engine:
-        assert [r["output_ids"] for r in await engine.generate(batch, GREEDY)] == alone
-        assert [r["output_ids"] for r in await engine.generate(shared, GREEDY)] == shared_alone
+        chunked = tokens_and_logprobs(await engine.generate(batch, GREEDY, return_logprob=True))
+        shared_chunked = tokens_and_logprobs(await engine.generate(shared, GREEDY, return_logprob=True))
+    return scheduler, (alone, together, chunked), (shared_alone, shared_chunked)
 
 
-@pytest.mark.slow  # loads SmolLM2
-@pytest.mark.skipif(not cpu_has_bf16(), reason="no bf16 units: bf16 products run as fp32 sgemm on upcasts and "
-                    "round back to bf16, and this tiny model's tokens did not change with the batch (AVX2 EPYC)")
-async def test_without_the_mode_bf16_tokens_do_depend_on_the_batch(monkeypatch):
-    """The control: the same check with torch's kernels fails, so the one above can (tercet's C++
-    attention is batch-invariant by construction, so it is off here)."""
-    from models import cpu_kernels
-
-    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
-    batch = prompts(24, seed=5)
-    differ = 0
-    for chunk in (1, 7):
-        async with open_engine("tiny", dtype="bfloat16", chunked_prefill_size=chunk) as engine:
-            alone = [(await engine.generate([p], {**GREEDY, "max_new_tokens": 48}))[0]["output_ids"] for p in batch]
-            together = [r["output_ids"] for r in await engine.generate(batch, {**GREEDY, "max_new_tokens": 48})]
-        differ += sum(a != b for a, b in zip(alone, together))
-    assert differ > 0
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_by_default_greedy_tokens_do_not_depend_on_the_batch_the_cache_or_chunking(dtype):
+    batch = prompts(12, seed=3)
+    shared = [batch[0][:30] + p for p in batch[1:6]]  # a common prefix, computed once, then cached
+    info, (alone, together, chunked), (shared_alone, shared_chunked) = await runs(batch, shared, dtype=dtype)
+    assert info["deterministic_inference"] is True  # no option given: the default
+    assert info["invariance"]["attention"] == "tercet's C++ kernel, every row"  # the kernels build here
+    assert together == alone
+    assert chunked == alone
+    assert shared_chunked == shared_alone
 
 
-SMOL = {"model.path": None, "model.dtype": "bfloat16", "scheduler.enable_deterministic_inference": True,
-        "supervision.max_restarts": 20, "supervision.quarantine_after": 1000}
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_without_the_mode_logprobs_do_depend_on_the_batch_or_the_chunking(dtype):
+    """The control: the same runs with the mode off differ somewhere (prefill rows attend through
+    SDPA there, decode rows through the kernel, and oneDNN multiplies one row by another kernel), so
+    the test above can fail."""
+    batch = prompts(12, seed=3)
+    shared = [batch[0][:30] + p for p in batch[1:6]]
+    info, (alone, together, chunked), (shared_alone, shared_chunked) = await runs(
+        batch, shared, dtype=dtype, enable_deterministic_inference=False)
+    assert info["deterministic_inference"] is False and info["invariance"] is None
+    assert together != alone or chunked != alone or shared_chunked != shared_alone
+
+
+SMOL = {"model.path": None, "supervision.max_restarts": 20}  # the default serve, quarantine included
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "The three primary colours are", "import numpy as np\n", "My favourite book is", "In 1969,",
            "The best way to learn a language is", "SELECT * FROM", "Dear Sir or Madam,", "The mitochondria",
@@ -67,8 +78,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 
 
 @pytest.mark.slow
-async def test_smollm2_bf16_streams_are_identical_run_to_run_and_through_three_kills(nursery):
-    url, app = await start_server(nursery, "default", **SMOL)
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_smollm2_streams_are_identical_run_to_run_and_through_three_kills(nursery, dtype):
+    """16 greedy streams x 160 tokens through the default topology and settings (deterministic
+    inference on, poison quarantine at its default): run twice, identical; then three SIGKILLs
+    of the scheduler in flight: 16 of 16 identical, none failed."""
+    url, app = await start_server(nursery, "default", **SMOL, **{"model.dtype": dtype})
     bodies = [{"text": p, "rid": f"det-{i}", "sampling_params": {"max_new_tokens": 160, "temperature": 0.0,
                                                                  "ignore_eos": True}} for i, p in enumerate(PROMPTS)]
     tm = app.state.server.runtime.tokenizer_manager
