@@ -17,7 +17,8 @@ An exception escaping ``handle`` crashes the actor ("let it crash"); the
 supervisor above it decides what happens next.
 
 What a peer sends never crashes it: a frame that does not decode is dropped
-by the mailbox, and the runtime drops (counts, logs the first of each kind)
+by the mailbox (one that the actor's ``salvage`` type still identifies comes to
+``handle`` as a ``Refused``, so the actor can answer for it), and the runtime drops (counts, logs the first of each kind)
 a Reply nobody waits for and a Call or Heartbeat it cannot answer. The
 counts are in ``ActorChild.stats`` (also ``Context.stats``).
 """
@@ -68,10 +69,11 @@ class Heartbeat(msgspec.Struct, tag="actors.heartbeat", array_like=True, gc=Fals
 
 
 @functools.cache
-def mailbox_decoder(inbox: Any) -> Decoder:
-    """The decoder of a mailbox for ``inbox``: its messages, calls of them, replies."""
+def mailbox_decoder(inbox: Any, salvage: Any = None) -> Decoder:
+    """The decoder of a mailbox for ``inbox``: its messages, calls of them, replies
+    (``salvage``: see ``Actor.salvage``)."""
     members = typing.get_args(inbox) if typing.get_origin(inbox) in (typing.Union, _UnionType) else (inbox,)
-    return Decoder(typing.Union[(*members, Call[inbox], Reply, Heartbeat)])  # type: ignore[misc]
+    return Decoder(typing.Union[(*members, Call[inbox], Reply, Heartbeat)], salvage=salvage)  # type: ignore[misc]
 
 
 _UnionType = type(int | str)
@@ -227,6 +229,10 @@ class Actor:
     """Base class of actors. Override ``handle``; the hooks are optional."""
 
     inbox: ClassVar[Any]
+    # a lenient type that identifies a message of ``inbox`` that the mailbox refuses (its
+    # id, say): such a message comes to ``handle`` as a ``transports.Refused`` holding what
+    # it read, so the actor can end what its sender waits for instead of leaving it waiting
+    salvage: ClassVar[Any] = None
 
     async def on_start(self, ctx: Context) -> None:
         """Runs after the mailbox is bound and before the actor reports ready."""
@@ -274,7 +280,7 @@ class ActorChild:
 
     async def run(self, *, task_status: trio.TaskStatus[Context] = trio.TASK_STATUS_IGNORED) -> None:
         actor = self.actor = self.factory()
-        inbox = await self.hub.bind(self.bind, mailbox_decoder(actor.inbox), capacity=self.capacity)
+        inbox = await self.hub.bind(self.bind, mailbox_decoder(actor.inbox, actor.salvage), capacity=self.capacity)
         self.stats.mailbox = inbox.dropped
         ctx: Context | None = None
         try:

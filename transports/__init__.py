@@ -4,7 +4,7 @@ Nothing here knows about language models.
 """
 
 from .base import Address, AddressError, DropCounter, Frames, InsecureBindError, Receiver, Sender
-from .codec import DEFAULT_MAX_ARRAY_SIZE, Array, CodecError, Decoder, Encoder
+from .codec import DEFAULT_MAX_ARRAY_SIZE, Array, CodecError, Decoder, Encoder, Refused
 from .config import DEFAULT_MAX_MESSAGE_BYTES, CurveConfig, HubOptions
 from .hub import DEFAULT_CAPACITY, Hub, open_hub
 
@@ -25,6 +25,7 @@ __all__ = [
     "HubOptions",
     "InsecureBindError",
     "Receiver",
+    "Refused",
     "Sender",
     "open_hub",
 ]

@@ -39,7 +39,7 @@ import trio
 import zmq
 
 from .base import Address, DropCounter, Receiver
-from .codec import CodecError, Decoder
+from .codec import CodecError, Decoder, Refused
 from ._zmqsocket import (
     YIELD_EVERY,
     close_socket,
@@ -107,6 +107,8 @@ class ZmqReceiver(Receiver[Any]):
                 return self._decoder.decode(item)
             except CodecError as error:
                 self.dropped.drop(error)
+                if error.salvaged is not None:  # identified: its sender can be answered
+                    return Refused(error.salvaged, error)
 
     async def _next_item(self) -> Any:
         # Taking a ready item without a schedule point is safe against

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import types
+from dataclasses import dataclass
 import typing
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -27,7 +28,7 @@ import numpy as np
 
 from ._arrays import Array, ArrayMismatch, array_checks
 
-__all__ = ["DEFAULT_MAX_ARRAY_SIZE", "Array", "CodecError", "Decoder", "Encoder", "check_wire_type"]
+__all__ = ["DEFAULT_MAX_ARRAY_SIZE", "Array", "CodecError", "Decoder", "Encoder", "Refused", "check_wire_type"]
 
 DEFAULT_MAX_ARRAY_SIZE = 1 << 24  # elements of one array, any dtype (64 MiB of int32)
 
@@ -48,10 +49,21 @@ class CodecError(Exception):
     than the receiver admits).
     """
 
-    def __init__(self, kind: str, detail: str) -> None:
+    def __init__(self, kind: str, detail: str, salvaged: Any = None) -> None:
         super().__init__(f"{kind} frame: {detail}")
         self.kind = kind
         self.detail = detail
+        self.salvaged = salvaged  # what the decoder's salvage type could still read of it, or None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A message the receiver refused (``error``) but could identify (``salvaged``: an instance
+    of its decoder's salvage type), handed on instead of dropped so that its sender can be
+    answered (an error for that request) rather than left waiting."""
+
+    salvaged: Any
+    error: CodecError
 
 
 class Encoder:
@@ -84,10 +96,14 @@ class Decoder(Generic[T]):
     """Decodes frames into messages of one type (usually a tagged union).
 
     ``max_array_size``: the most elements of any one array; fields annotated
-    with :class:`Array` are checked further.
+    with :class:`Array` are checked further. ``salvage``: a lenient type (a tagged
+    struct or a union of them) to read what it can of a well-formed message that
+    ``type_`` refuses (``invalid``, or an array that does not fit): the
+    ``CodecError`` then carries it as ``salvaged``.
     """
 
-    def __init__(self, type_: type[T], *, max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> None:
+    def __init__(self, type_: type[T], *, max_array_size: int = DEFAULT_MAX_ARRAY_SIZE,
+                 salvage: Any = None) -> None:
         check_wire_type(type_)
         self.type = type_
         self.max_array_size = max_array_size
@@ -96,6 +112,7 @@ class Decoder(Generic[T]):
         self._decoder = msgspec.msgpack.Decoder(
             type_, ext_hook=self._ext_hook, dec_hook=_dec_hook
         )
+        self._salvage = None if salvage is None else msgspec.msgpack.Decoder(salvage, ext_hook=_skip_ext)
 
     def decode(self, frames: Sequence[Any]) -> T:
         """Decode ``frames`` (bytes, memoryviews or zmq frames); raise CodecError."""
@@ -108,11 +125,11 @@ class Decoder(Generic[T]):
                 self._check(msg)
             return msg
         except ArrayMismatch as exc:
-            raise CodecError(exc.kind, str(exc)) from None
+            raise CodecError(exc.kind, str(exc), self._salvaged(frames[0])) from None
         except _Oversized as exc:
             raise CodecError("oversized", str(exc)) from None
         except msgspec.ValidationError as exc:
-            raise CodecError("invalid", str(exc)) from None
+            raise CodecError("invalid", str(exc), self._salvaged(frames[0])) from None
         except msgspec.DecodeError as exc:
             kind = "truncated" if "truncated" in str(exc) else "malformed"
             raise CodecError(kind, str(exc)) from None
@@ -123,13 +140,24 @@ class Decoder(Generic[T]):
         finally:
             self._frames = ()
 
+    def _salvaged(self, header: Any) -> Any:
+        if self._salvage is None:
+            return None
+        try:
+            return self._salvage.decode(_as_buffer(header))
+        except Exception:  # noqa: BLE001 - nothing to salvage: the message is dropped
+            return None
+
     def check(self, msg: T) -> T:
         """Apply the Array checks to a message that did not come as frames (inproc)."""
         if self._check is not None:
             try:
                 self._check(msg)
             except ArrayMismatch as exc:
-                raise CodecError(exc.kind, str(exc)) from None
+                salvaged = None
+                if self._salvage is not None:
+                    salvaged = self._salvaged(msgspec.msgpack.encode(msg, enc_hook=lambda obj: None))
+                raise CodecError(exc.kind, str(exc), salvaged) from None
         return msg
 
     def decode_raw(self, raw: msgspec.Raw, frames: Sequence[Any]) -> T:
@@ -151,6 +179,10 @@ class Decoder(Generic[T]):
             return array
         except (IndexError, ValueError, TypeError, OverflowError, msgspec.DecodeError) as exc:
             raise _BufferError(f"out-of-band array: {exc}") from None
+
+
+def _skip_ext(code: int, data: memoryview) -> None:
+    return None  # salvage reads no array
 
 
 class _BufferError(Exception):

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from .base import Address, DropCounter, Frames, Receiver, Sender
-from .codec import CodecError, Decoder
+from .codec import CodecError, Decoder, Refused
 
 __all__ = ["InprocTransport"]
 
@@ -123,6 +123,8 @@ class _InprocReceiver(Receiver):
                 return self._decoder.check(item)
             except CodecError as error:
                 self.dropped.drop(error)
+                if error.salvaged is not None:  # identified: its sender can be answered
+                    return Refused(error.salvaged, error)
 
     async def aclose(self) -> None:
         self._transport._unbind(self.address, self._binding)

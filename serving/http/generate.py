@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..managers.messages import FinishReason, SamplingParams
+from ..managers.inputs import check_samples
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest, fold
 from .errors import BadRequest, decode_body, error_body, finish_error, param_of
 from .openai_api import ChatRequest, CompletionRequest, Responder, chat_input, completion_input
@@ -91,12 +92,16 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
     """Generate ``obj``; a JSON response from ``whole`` or an SSE stream of ``piece``s.
     ``names``: what the client calls the fields an error may name (OpenAI's ``max_tokens``)."""
     tm = state.runtime.tokenizer_manager
+    try:
+        weight = check_samples(obj, tm.limits)  # each sub-request counts against admission
+    except InvalidRequest as exc:
+        raise _bad_request(exc, names) from None
     async with AsyncExitStack() as held:
         admission = tm.admission(obj)  # an /abort_request of its rid ends its wait: it ends unrun
         held.callback(admission.close)
         gone = False
         with admission.scope:
-            gone, _ = await until_disconnected(request, lambda: held.enter_async_context(state.admitted()))
+            gone, _ = await until_disconnected(request, lambda: held.enter_async_context(state.admitted(weight)))
         if gone:  # the client left while its request waited (paused, restarting)
             return Response(status_code=499)
         stream = await held.enter_async_context(_closing(tm.generate(obj, admission=admission)))
@@ -104,11 +109,7 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
         try:
             gone, first = await until_disconnected(request, lambda: _first(stream))
         except InvalidRequest as exc:
-            message, param = str(exc), param_of(str(exc))
-            for ours, theirs in (names or {}).items():
-                message = message.replace(ours, theirs)
-                param = param.replace(ours, theirs) if param else param
-            raise BadRequest(message, param) from None
+            raise _bad_request(exc, names) from None
         if gone or first is None:
             return Response(status_code=499)
         timer.chunk(first)
@@ -132,6 +133,15 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
         if (failed := finish_error(result["finished"])) is not None:
             return failed
     return JSONResponse(whole(folded))
+
+
+def _bad_request(exc: InvalidRequest, names: dict[str, str] | None) -> BadRequest:
+    """A 400 for ``exc``, its field as the client names it."""
+    message, param = str(exc), param_of(str(exc))
+    for ours, theirs in (names or {}).items():
+        message = message.replace(ours, theirs)
+        param = param.replace(ours, theirs) if param else param
+    return BadRequest(message, param)
 
 
 async def _events(first: Chunk, stream: AsyncIterator[Chunk], timer: Any, piece: Renderer,

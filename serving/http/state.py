@@ -39,12 +39,14 @@ class ServerState:
         self.health = HealthMonitor(self)
 
     @asynccontextmanager
-    async def admitted(self) -> AsyncIterator[None]:
+    async def admitted(self, weight: int = 1) -> AsyncIterator[None]:
         """Wait while generation is paused or weights are replaced, and (bounded)
-        while the scheduler restarts; then count as a request in flight."""
+        while the scheduler restarts; then count as ``weight`` requests in flight
+        (its sub-requests: prompts × n)."""
         gate, status = self.runtime.gate, self.runtime.status
         wait = self.topology.server.request_wait
-        self.refuse_if_overloaded()
+        weight = min(max(weight, 1), self.max_in_flight)  # one larger than the server runs when it is alone
+        self.refuse_if_overloaded(weight)
         while True:
             with trio.move_on_after(wait):
                 await gate.wait_open()
@@ -58,15 +60,17 @@ class ServerState:
                 raise BadRequest("the scheduler is restarting; try again", status=503)
             if gate.is_open:  # still: no checkpoint from here to entering
                 break
-        with gate.reading():
+        with gate.reading(weight):
             yield
 
-    def refuse_if_overloaded(self) -> None:
-        """503 at once, before any work (the body is not even read), when as many requests are in
-        flight as the scheduler runs and queues, or when the event loop already runs late."""
+    def refuse_if_overloaded(self, weight: int = 1) -> None:
+        """503 at once, before any work (the body is not even read), when ``weight`` more requests
+        would pass as many in flight as the scheduler runs and queues, or when the event loop
+        already runs late."""
         readers = self.runtime.gate.readers
-        if readers >= self.max_in_flight:
-            raise BadRequest(f"server overloaded: {readers} requests in flight", status=503)
+        if readers + weight > self.max_in_flight:
+            more = "" if weight == 1 else f"; this one adds {weight}"
+            raise BadRequest(f"server overloaded: {readers} requests in flight{more}", status=503)
         if self.health.loop_lag > self.topology.server.max_loop_lag:
             raise BadRequest(f"server overloaded: it answers {self.health.loop_lag * 1000:.0f} ms late", status=503)
 

@@ -27,7 +27,7 @@ from models.runner import SeqInput
 from models.sampling import SamplingParams as ModelSampling
 
 from .grammar import constraint_of
-from .messages import FinishReason, GenerateReq, SamplingParams
+from .messages import FinishReason, GenerateReq, GenerateReqId, SamplingParams
 from .radix_cache import RadixCache
 
 __all__ = ["Batch", "BatchState", "Limits", "Output", "Req"]
@@ -181,7 +181,7 @@ class BatchState:
         self.waiting.append(req)
         return None
 
-    def refuse(self, msg: GenerateReq, reason: FinishReason) -> Output:
+    def refuse(self, msg: GenerateReq | GenerateReqId, reason: FinishReason) -> Output:
         """End a request that could not be queued (its fields may be anything)."""
         req = Req(str(msg.rid), int(msg.worker) if isinstance(msg.worker, int) else 0, [], 0, 0, SamplingParams(),
                   ModelSampling(), False, False, 0, replaces=None)

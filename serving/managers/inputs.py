@@ -24,7 +24,8 @@ from .grammar import GrammarError, compile_grammar, constraint_of
 from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
 from .tools import hermes_messages
 
-__all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest"]
+__all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest",
+           "check_samples", "sample_seed", "samples"]
 
 
 class InvalidRequest(ValueError):
@@ -57,6 +58,7 @@ class RequestLimits:
     """The server's bounds on one request (``server.*`` in the topology)."""
 
     max_batch_size: int = 256  # prompts in one /generate (each n times)
+    max_samples: int = 256  # sub-requests (prompts × n) in one request
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters of one stop string
     context_len: int | None = None  # prompt + max_new_tokens; None: the scheduler's own check only
@@ -80,6 +82,47 @@ def checked_grammar(kind: str, text: str) -> str:
     return compile_grammar(kind, text)
 
 
+def _counted(obj: GenerateInput) -> tuple[int, int]:
+    """(prompts, sub-requests: prompts × n) that ``obj`` asks for, counted without tokenizing."""
+    if obj.messages is not None or isinstance(obj.text, str):
+        prompts = 1
+    elif obj.text is not None:
+        prompts = len(obj.text)
+    elif obj.input_ids:
+        prompts = len(obj.input_ids) if isinstance(obj.input_ids[0], list) else 1
+    else:
+        prompts = 1
+    params = obj.sampling_params
+    if isinstance(params, list):  # (a count that does not match the prompts is refused later)
+        return prompts, sum(p.n for p in params[:prompts]) + max(prompts - len(params), 0)
+    return prompts, prompts * (params.n if params is not None else 1)
+
+
+def samples(obj: GenerateInput) -> int:
+    """How many sub-requests ``obj`` asks for (prompts × n), counted without tokenizing."""
+    return _counted(obj)[1]
+
+
+def check_samples(obj: GenerateInput, limits: RequestLimits) -> int:
+    """The sub-requests of ``obj``, checked before any tokenizing: InvalidRequest past
+    ``limits.max_batch_size`` prompts or ``limits.max_samples`` prompts × n."""
+    prompts, count = _counted(obj)
+    where = "input_ids" if obj.input_ids is not None else "text"
+    if prompts > limits.max_batch_size:
+        raise InvalidRequest(f"{where}: {prompts} prompts in one request; at most {limits.max_batch_size}")
+    if count > limits.max_samples:
+        where = where if count == prompts else "sampling_params.n"
+        raise InvalidRequest(f"{where}: {count} samples (prompts × n) in one request; this server takes at most "
+                             f"{limits.max_samples} (server.max_samples)")
+    return count
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """The seed of sample ``k`` of a request seeded ``seed``: ``seed + k`` as vLLM derives it, wrapped
+    like an int64 addition (``2**63 - 1`` then ``-2**63``), so it always fits the wire's Int64."""
+    return (seed + k + 2**63) % 2**64 - 2**63
+
+
 class Expander:
     """Sub-requests of a ``GenerateInput``; ``expand`` is synchronous (run it in a thread for big inputs)."""
 
@@ -98,9 +141,8 @@ class Expander:
 
     def expand(self, obj: GenerateInput) -> list[SubRequest]:
         """The sub-requests of ``obj``: one per prompt × n."""
+        check_samples(obj, self.limits)
         prompts = self._prompts(obj)
-        if len(prompts) > self.limits.max_batch_size:
-            raise InvalidRequest(f"text: {len(prompts)} prompts in one request; at most {self.limits.max_batch_size}")
         params = obj.sampling_params
         if isinstance(params, list):
             if len(params) != len(prompts):
@@ -122,7 +164,10 @@ class Expander:
                 p = msgspec.structs.replace(p, temperature=0.0)
             self._check(p, len(ids))
             for k in range(p.n):
-                seed = p.seed + k if p.seed is not None else (random_seed() if p.temperature > 0 else None)
+                if p.seed is not None:
+                    seed = sample_seed(p.seed, k)
+                else:
+                    seed = random_seed() if p.temperature > 0 else None
                 sub_rid = rid if p.n == 1 else f"{rid}-{k}"
                 subs.append(SubRequest(sub_rid, ids, msgspec.structs.replace(p, seed=seed, n=1)))
         return subs

@@ -18,12 +18,12 @@ Control requests (flush cache, server info, health) use the runtime's
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from transports import Array
+from transports import Array, CodecError, Decoder, Encoder
 
 __all__ = [
     "AbortReq",
@@ -38,6 +38,7 @@ __all__ = [
     "FlushCacheReq",
     "ForgetRequests",
     "GenerateReq",
+    "GenerateReqId",
     "HealthProbe",
     "SamplingParams",
     "SetPaused",
@@ -48,7 +49,9 @@ __all__ = [
     "TokenizerInbox",
     "UpdateWeightsAll",
     "UpdateWeightsReq",
+    "WireCheck",
     "WorkerStalled",
+    "wire_field",
 ]
 
 
@@ -152,6 +155,55 @@ class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     worker: int = 0  # the tokenizer worker that owns the request
     num_prior_output: int = 0  # resume: the last ids of input_ids that were generated
     replaces: str | None = None  # resume: the rid of the incarnation this one continues
+
+
+class GenerateReqId(msgspec.Struct, tag="GenerateReq", array_like=True, gc=False):
+    """What the scheduler can still read of a ``GenerateReq`` its mailbox refused (the
+    mailbox's salvage type): the request's rid and owner, to end it rather than drop it."""
+
+    rid: str
+    input_ids: Any = None
+    sampling: Any = None
+    stream: Any = None
+    return_logprob: Any = None
+    top_logprobs_num: Any = None
+    worker: Any = 0  # an int, when the refused message's is
+
+
+class WireCheck:
+    """A sender's check of a ``GenerateReq`` against the wire schema, before it goes:
+    what the scheduler's mailbox would refuse, as a message that names the field."""
+
+    def __init__(self) -> None:
+        self._encoder = Encoder()
+        self._decoder = Decoder(SchedulerInbox)
+
+    def problem(self, msg: GenerateReq) -> str | None:
+        try:
+            self._decoder.decode(self._encoder.encode(msg))
+        except (CodecError, TypeError, OverflowError) as exc:  # (TypeError, OverflowError: not encodable)
+            return wire_field(exc.detail if isinstance(exc, CodecError) else str(exc))
+        return None
+
+
+_CLIENT_NAMES = {"sampling": "sampling_params"}
+
+
+def wire_field(detail: str) -> str:
+    """A refusal of a ``GenerateReq`` as ``field: why``, the field as the client names it
+    (msgspec's ``... - at `$[3].seed``` → ``sampling_params.seed: ...``)."""
+    text, _, where = detail.partition(" - at `$")
+    if not where:
+        return detail
+    where = where.rstrip("`")
+    if where.startswith("["):  # array_like: a position (0 is the tag)
+        head, _, rest = where[1:].partition("]")
+        fields = GenerateReq.__struct_fields__
+        name = fields[int(head) - 1] if head.isdigit() and 1 <= int(head) <= len(fields) else f"[{head}]"
+    else:
+        name, dot, rest = where.lstrip(".").partition(".")
+        rest = dot + rest
+    return f"{_CLIENT_NAMES.get(name, name)}{rest}: {text[:1].lower()}{text[1:]}"
 
 
 class AbortReq(msgspec.Struct, tag=True, array_like=True, gc=False):

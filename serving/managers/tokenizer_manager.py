@@ -48,6 +48,7 @@ replica is up. Each replica has its own output watchdog.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -74,6 +75,7 @@ from .messages import (
     SamplingParams,
     ServerInfoReq,
     TokenizerInbox,
+    WireCheck,
 )
 from .router import Router
 
@@ -215,6 +217,7 @@ class TokenizerManager(Actor):
             for i in range(replicas)
         ]
         self._expander: Expander | None = None  # built once the context window is known
+        self._wire = WireCheck()
         self._asking = trio.Lock()
         self._suspects: deque[ReqState] = deque()  # waiting for their trial, one at a time
         self._on_trial: ReqState | None = None
@@ -357,8 +360,7 @@ class TokenizerManager(Actor):
                         info = await self.call_scheduler(ServerInfoReq(), timeout=10.0)
                     except CallError:  # restarting: check this request without it, ask again next time
                         return Expander(self.tokenizer, self.limits)
-                    limits = RequestLimits(self.limits.max_batch_size, self.limits.max_stop_strings,
-                                           self.limits.max_stop_length, int(info["max_context_len"]))
+                    limits = dataclasses.replace(self.limits, context_len=int(info["max_context_len"]))
                     self._expander = Expander(self.tokenizer, limits)
         return self._expander
 
@@ -386,10 +388,14 @@ class TokenizerManager(Actor):
         finally:
             if admission is not None:
                 admission.close()
-        rids = [sub.rid for sub in subs]
-        duplicates = sorted({r for r in rids if r in self.rid_to_state or rids.count(r) > 1})
+        seen: set[str] = set()
+        duplicates: set[str] = set()
+        for sub in subs:  # linear: a set, however many sub-requests
+            if sub.rid in seen or sub.rid in self.rid_to_state:
+                duplicates.add(sub.rid)
+            seen.add(sub.rid)
         if duplicates:
-            raise DuplicateRequestError(f"rid: duplicate request id(s) {duplicates}")
+            raise DuplicateRequestError(f"rid: duplicate request id(s) {sorted(duplicates)}")
         arrived = trio.Event()
 
         def notify() -> None:
@@ -400,6 +406,9 @@ class TokenizerManager(Actor):
                      obj.top_logprobs_num, notify)
             for index, sub in enumerate(subs)
         ]
+        for state in states:  # what the scheduler's mailbox would refuse is refused here, before anything is sent
+            if (problem := self._wire.problem(self._request(state))) is not None:
+                raise InvalidRequest(problem)
         for state in states:
             self.rid_to_state[state.rid] = state
             self._by_wire_rid[state.wire_rid] = state
@@ -441,7 +450,6 @@ class TokenizerManager(Actor):
         tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
         replica = self.router.choose(tokens, [i for i, is_up in enumerate(self.up) if is_up])
         state.replica = replica
-        ids = np.asarray(tokens, dtype=np.int32)
         replaces = None
         if resume:
             old = state.wire_rid
@@ -462,10 +470,21 @@ class TokenizerManager(Actor):
         state.submitted = True
         state.heard_at = trio.current_time()
         state.since_submit, state.progressed = 0, trio.Event()
-        await self.ctx.send(self.schedulers[replica], GenerateReq(
-            state.wire_rid, ids, state.sampling, state.stream, state.return_logprob,
+        request = self._request(state, resume=resume, replaces=replaces)
+        if (problem := self._wire.problem(request)) is not None:  # (a resume's: the first was checked)
+            log.error("request %s cannot be sent: %s", state.rid, problem)
+            self._unassign(state)
+            state.end(FinishReason("abort", status_code=400, message=f"{problem} (this request cannot be sent)"))
+            return
+        await self.ctx.send(self.schedulers[replica], request)
+
+    def _request(self, state: ReqState, *, resume: bool = False, replaces: str | None = None) -> GenerateReq:
+        """The message that sends ``state`` (as a resume: from the ids received so far)."""
+        tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
+        return GenerateReq(
+            state.wire_rid, np.asarray(tokens, dtype=np.int32), state.sampling, state.stream, state.return_logprob,
             state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces,
-        ))
+        )
 
     def _unassign(self, state: ReqState) -> None:
         """``state`` no longer runs on its replica (it ended there, or must resume elsewhere)."""

@@ -164,7 +164,7 @@ class Gate:
 
     @property
     def readers(self) -> int:
-        """Requests in flight through this gate."""
+        """Requests in flight through this gate (each sub-request counts)."""
         return self._readers
 
     @property
@@ -183,15 +183,16 @@ class Gate:
             await self._writer_done.wait()
 
     @contextmanager
-    def reading(self) -> Iterator[None]:
-        """Count as a request in flight (enter only when ``is_open``: no checkpoint between)."""
+    def reading(self, weight: int = 1) -> Iterator[None]:
+        """Count as ``weight`` requests in flight (its sub-requests; enter only when ``is_open``:
+        no checkpoint between)."""
         assert self.is_open
-        self._readers += 1
+        self._readers += weight
         self._no_readers = trio.Event()
         try:
             yield
         finally:
-            self._readers -= 1
+            self._readers -= weight
             if self._readers == 0:
                 self._no_readers.set()
 

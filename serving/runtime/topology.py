@@ -62,6 +62,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     # bounds on what one request may ask
     max_request_bytes: int | str = "32MiB"  # a larger body is refused with 413, unread
     max_batch_size: int = 256  # prompts in one /generate
+    max_samples: int = 256  # sub-requests (prompts × n) in one request; each counts as a request in flight
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters
     # /update_weights_from_disk: paths under the model's own directory or one of these only
@@ -187,6 +188,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.supervision.max_restarts >= 0, "supervision.max_restarts", "must be >= 0"),
             (self.supervision.quarantine_after >= 1, "supervision.quarantine_after", "must be >= 1"),
             (1 <= self.server.max_batch_size <= 65536, "server.max_batch_size", "must be in 1..65536"),
+            (1 <= self.server.max_samples <= 65536, "server.max_samples", "must be in 1..65536"),
             (0 <= self.server.max_stop_strings <= 1024, "server.max_stop_strings", "must be in 0..1024"),
             (1 <= self.server.max_stop_length <= 65536, "server.max_stop_length", "must be in 1..65536"),
             (self.server.weights_drain_timeout > 0, "server.weights_drain_timeout", "must be > 0"),
@@ -447,7 +449,8 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
     ``replicas``: each replica's addresses (default: the one in ``addresses``), ``serving``:
     those up now (default: all)."""
     server = topology.server
-    limits = RequestLimits(server.max_batch_size, server.max_stop_strings, server.max_stop_length)
+    limits = RequestLimits(server.max_batch_size, server.max_samples, server.max_stop_strings,
+                           server.max_stop_length)
     replicas = replicas or [addresses]
     return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
                             detokenizer=[r["detokenizer"] for r in replicas],
