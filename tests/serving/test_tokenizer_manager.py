@@ -70,3 +70,34 @@ async def test_an_abort_ends_the_request_here_and_a_resume_skips_it(nursery, tok
     assert chunks[-1].finished.type == "abort" and tm.rid_to_state == {}
     assert await tm.resubmit_in_flight("the scheduler crashed") == 0
     assert [type(m) for m in ctx.sent] == [GenerateReq, AbortReq]
+
+
+def test_sample_seeds_are_seed_plus_k_wrapped_like_an_int64():
+    from serving.managers.inputs import sample_seed
+
+    assert [sample_seed(7, k) for k in range(3)] == [7, 8, 9]
+    assert sample_seed(-5, 0) == -5
+    assert [sample_seed(2**63 - 2, k) for k in range(3)] == [2**63 - 2, 2**63 - 1, -(2**63)]
+
+
+def test_prompts_times_n_is_checked_before_tokenizing():
+    from serving.managers.inputs import InvalidRequest, RequestLimits, check_samples
+
+    limits = RequestLimits(max_batch_size=4, max_samples=6)
+    assert check_samples(GenerateInput(text=["a", "b"], sampling_params=SamplingParams(n=3)), limits) == 6
+    assert check_samples(GenerateInput(input_ids=[[1], [2]], sampling_params=[SamplingParams(n=2),
+                                                                                SamplingParams(n=4)]), limits) == 6
+    for obj, field in ((GenerateInput(text="a", sampling_params=SamplingParams(n=7)), "sampling_params.n"),
+                       (GenerateInput(text=["a"] * 5), "text"), (GenerateInput(input_ids=[[1]] * 5), "input_ids")):
+        with pytest.raises(InvalidRequest, match=f"^{field}: "):
+            check_samples(obj, limits)
+
+
+async def test_duplicate_rids_in_one_request_are_refused(nursery, tokenizer):
+    from serving.managers.inputs import DuplicateRequestError
+
+    tm = manager(tokenizer, RecordingContext(nursery))
+    obj = GenerateInput(input_ids=[[5], [6]], rid=["same", "same"], sampling_params=SamplingParams(max_new_tokens=1))
+    with pytest.raises(DuplicateRequestError, match=r"rid: duplicate request id\(s\) \['same'\]"):
+        async for _ in tm.generate(obj):
+            pass

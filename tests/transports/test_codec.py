@@ -469,3 +469,36 @@ def test_array_spec_arguments_are_checked():
     with pytest.raises(ValueError, match="ndim"):
         Array(ndim=-1)
     assert Array("int32").dtype == np.dtype(np.int32)
+
+
+class GenerateId(msgspec.Struct, tag="generate", array_like=True, gc=False):
+    """A salvage type: what a receiver can still read of a refused Generate."""
+
+    rid: str
+
+
+def test_a_refused_message_that_the_salvage_type_reads_carries_its_identity(encoder):
+    decoder = Decoder(Union[Generate, Abort], salvage=GenerateId)
+    frames = [msgspec.msgpack.encode(["generate", "r1", [1, 2], "many"])]  # max_new_tokens: not an int
+    strict = Decoder(Union[Generate, Abort])
+    for d, salvaged in ((strict, None), (decoder, GenerateId("r1"))):
+        with pytest.raises(CodecError) as refused:
+            d.decode(frames)
+        assert refused.value.kind == "invalid" and refused.value.salvaged == salvaged
+    with pytest.raises(CodecError) as unreadable:  # a rid that is not text: nothing to salvage
+        decoder.decode([msgspec.msgpack.encode(["generate", 5, [1]])])
+    assert unreadable.value.salvaged is None
+
+
+async def test_an_inproc_receiver_hands_on_a_refused_message_it_can_identify(encoder):
+    from transports import Frames, Refused, open_hub
+
+    async with open_hub() as hub:
+        inbox = await hub.bind("inproc://salvage", Decoder(Union[Generate, Abort], salvage=GenerateId))
+        sender = await hub.connect("inproc://salvage")
+        await sender.send(Frames([msgspec.msgpack.encode(["generate", "r1", [1], "many"])]))
+        await sender.send(Abort("r2"))
+        refused = await inbox.receive()
+        assert isinstance(refused, Refused) and refused.salvaged == GenerateId("r1")
+        assert refused.error.kind == "invalid" and inbox.dropped.counts["invalid"] == 1
+        assert await inbox.receive() == Abort("r2")
