@@ -1,13 +1,16 @@
 """Decode and prefill throughput of models.ModelRunner vs transformers' generate.
 
-    python -m benchmarks.bench_model [--smoke] [--json PATH] [--deterministic]
+    python -m benchmarks.bench_model [--smoke] [--json PATH] [--modes]
 
 Each row decodes `--new-tokens` greedy tokens for `batch` prompts of equal
 length, end to end (prefill included) in both engines, in the dtype the
 server would pick on this CPU (`--dtype auto`: bf16 with native bf16
 units, else fp32) unless told otherwise. transformers runs its padded `generate` with its default
-cache. `--deterministic` adds a column for the runner's deterministic
-(batch-invariant) mode and its ratio to the default mode. `--smoke` uses
+cache. tercet runs as the server does by default: deterministic (batch-invariant).
+`--modes` adds two columns, each with its ratio to the default: the runner with the
+mode off (`deterministic=False`: prefill attention through SDPA, oneDNN's one-row
+kernel), and the mode on the torch path (no C++ kernels: split-KV attention and
+fixed row tiles, what the mode cost before the kernels took it). `--smoke` uses
 the tiny random model and finishes in seconds.
 """
 
@@ -82,8 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                         help="auto: what the server picks on this CPU (runner.default_dtype)")
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2)")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="also measure ModelRunner(deterministic=True)")
+    parser.add_argument("--modes", action="store_true",
+                        help="also measure the mode off and the mode on the torch path")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
@@ -95,14 +98,18 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     budget = kv_budget(loaded.config, dtype, max(max(batches) * (args.prompt_len + args.new_tokens), args.prefill_len))
     runner = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget)
-    det = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=True) if args.deterministic else None
+    others = {}
+    if args.modes:
+        others["off"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=False)
+        others["torch"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=True,
+                                      kernels=False)
     hf = to_transformers(loaded, dtype)
-    for r in (runner, det) if det else (runner,):  # warm up
+    for r in (runner, *others.values()):  # warm up
         tercet_tok_s(r, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)
     hf_tok_s(hf, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)
     rows = []
-    det_head = f" {'det tok/s':>10} {'det/tercet':>10}" if det else ""
-    print(f"{'batch':>5} {'tercet tok/s':>13} {'hf tok/s':>10} {'ratio':>6}{det_head}", file=sys.stderr)
+    head = "".join(f" {name + ' tok/s':>12} {name + '/dflt':>10}" for name in others)
+    print(f"{'batch':>5} {'tercet tok/s':>13} {'hf tok/s':>10} {'ratio':>6}{head}", file=sys.stderr)
     for batch in batches:
         prompts = prompts_for(loaded.tokenizer, batch, args.prompt_len)
         ours = tercet_tok_s(runner, prompts, args.new_tokens)
@@ -110,21 +117,22 @@ def main(argv=None) -> int:
         row = {"batch": batch, "tercet_tok_s": round(ours, 1), "hf_tok_s": round(theirs, 1),
                "ratio": round(ours / theirs, 2)}
         line = f"{batch:>5} {ours:>13.1f} {theirs:>10.1f} {ours / theirs:>6.2f}"
-        if det:
-            fixed = tercet_tok_s(det, prompts, args.new_tokens)
-            row |= {"det_tok_s": round(fixed, 1), "det_ratio": round(fixed / ours, 2)}
-            line += f" {fixed:>10.1f} {fixed / ours:>10.2f}"
+        for name, other in others.items():
+            got = tercet_tok_s(other, prompts, args.new_tokens)
+            row |= {f"{name}_tok_s": round(got, 1), f"{name}_ratio": round(got / ours, 2)}
+            line += f" {got:>12.1f} {got / ours:>10.2f}"
         rows.append(row)
         print(line, file=sys.stderr)
     prefill = prefill_tok_s(runner, args.prefill_len)
     line = f"prefill {args.prefill_len} tokens: {prefill:.0f} tok/s"
     result = {"rows": rows, "prefill_tok_s": round(prefill, 1), "prefill_len": args.prefill_len,
               "new_tokens": args.new_tokens, "dtype": args.dtype, "model": loaded.source,
-              "threads": torch.get_num_threads()}
-    if det:
-        fixed = prefill_tok_s(det, args.prefill_len)
-        result["det_prefill_tok_s"] = round(fixed, 1)
-        line += f", deterministic {fixed:.0f} tok/s ({fixed / prefill:.2f}x)"
+              "threads": torch.get_num_threads(), "deterministic": runner.deterministic,
+              "invariance": runner.invariance()}
+    for name, other in others.items():
+        got = prefill_tok_s(other, args.prefill_len)
+        result[f"{name}_prefill_tok_s"] = round(got, 1)
+        line += f", {name} {got:.0f} tok/s ({got / prefill:.2f}x)"
     print(line, file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

@@ -12,7 +12,7 @@ its prefix came from the cache, how its prompt was chunked, or whether it
 was decoded or re-prefilled. So greedy output and logprobs are bitwise
 reproducible, also across a crash-resume. Where tercet's C++ kernels build
 (`cpu_kernels.py`) it is the fast path itself, at 1-4 % of the speed
-(benchmarks/bench_model.py --deterministic), and the server's default:
+(benchmarks/bench_model.py --modes), and the default on CPU:
 
 - attention for every row, decode and prefill, through one kernel that
   reduces a query's keys in splits at fixed absolute positions
@@ -108,11 +108,16 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         page_size: int = 1,
         kv_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-        deterministic: bool = False,
+        deterministic: bool | None = None,
+        kernels: bool = True,
     ) -> None:
+        """`deterministic`: None (the default) means on CPU, off elsewhere. `kernels`: False keeps
+        tercet's C++ kernels out of this runner (the torch path, as where they cannot be built)."""
         self.device = torch.device(device)
         if self.device.type == "cpu":
             tune_malloc()
+        if deterministic is None:
+            deterministic = self.device.type == "cpu"
         if deterministic and self.device.type != "cpu":
             raise ValueError(
                 f"deterministic mode is measured on CPU only, not on {self.device.type} "
@@ -124,7 +129,7 @@ class ModelRunner:
         # the C++ kernels (decode attention, fused elementwise ops; in the deterministic mode every
         # row's attention and batch-invariant projections); without them the deterministic mode
         # takes the torch path's split-KV attention and fixed row tiles (~2-3x slower)
-        self.cpu_kernel = self.device.type == "cpu" and cpu_kernels.load()
+        self.cpu_kernel = self.device.type == "cpu" and kernels and cpu_kernels.load()
         self.prefill_kernel = deterministic and self.cpu_kernel
         torch_path = deterministic and not self.cpu_kernel
         self.row_tile = invariant.row_tile(dtype) if torch_path else None

@@ -66,6 +66,46 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(kernels):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_rows_get_the_bits_of_decode_rows(kernels, dtype, page_size):
+    """One sequence of 700 tokens (three splits of 256 keys): its rows attended as one prefill
+    chunk, as chunks of 7 and 64 beside other sequences, and one at a time as decode rows give
+    each row the same bits; and they match SDPA's causal attention within rounding."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(page_size)
+    n, heads, kv_heads, dim = 700, 9, 3, 64
+    pages = -(-n // page_size)
+    table = torch.randperm(pages + 5, generator=g)[:pages].int()[None]
+    k = torch.randn((pages + 5) * page_size, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn((pages + 5) * page_size, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    rows = torch.zeros(n, dtype=torch.int32)
+    lens = torch.arange(1, n + 1, dtype=torch.int32)
+    whole = cpu_kernels.paged_attention(q, k, v, table, rows, lens, page_size, 0.125)
+    for chunk in (7, 64):  # beside a 3-row sequence of another table row, as a mixed step lays them out
+        other = torch.randperm(pages + 5, generator=g)[:pages].int()[None]
+        tables = torch.cat([other, table])
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            qs = torch.cat([torch.randn(3, heads, dim, generator=g).to(dtype), q[start:end]])
+            seq = torch.tensor([0] * 3 + [1] * (end - start), dtype=torch.int32)
+            lengths = torch.cat([torch.tensor([5, 300, 690], dtype=torch.int32), lens[start:end]])
+            got = cpu_kernels.paged_attention(qs, k, v, tables, seq, lengths, page_size, 0.125)[3:]
+            assert torch.equal(got, whole[start:end]), (chunk, start)
+    for i in (0, 1, 255, 256, 257, 511, 699):  # decode rows, alone (the per-split path at batch 1)
+        alone = cpu_kernels.paged_decode_attention(q[i : i + 1], k, v, table, lens[i : i + 1], page_size, 0.125)
+        assert torch.equal(alone[0], whole[i])
+    slots = (table[0].long()[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k[slots].float().transpose(0, 1),
+                                         v[slots].float().transpose(0, 1), is_causal=True, scale=0.125,
+                                         enable_gqa=True).transpose(0, 1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(whole.float(), ref, atol=tol, rtol=tol)
+
+
+@needs_compiler
 def test_refuses_what_it_cannot_read(kernels):
     q, k, v, table, cl = _paged(2, 9, 3, 64, [5, 9], 1, torch.bfloat16)
     with pytest.raises(RuntimeError, match="int32"):
@@ -80,6 +120,11 @@ def test_refuses_what_it_cannot_read(kernels):
         cpu_kernels.paged_decode_attention(q.float(), k, v, table, cl, 1, 0.125)
     with pytest.raises(RuntimeError, match="multiple of the kv heads"):
         cpu_kernels.paged_decode_attention(q[:, :8], k, v, table, cl, 1, 0.125)
+    rows = torch.tensor([0, 2], dtype=torch.int32)  # a row naming a sequence the table has not
+    with pytest.raises(RuntimeError, match="sequence 2 out of range"):
+        cpu_kernels.paged_attention(q, k, v, table, rows, cl, 1, 0.125)
+    with pytest.raises(RuntimeError, match="a sequence and a length per query row"):
+        cpu_kernels.paged_attention(q, k, v, table, rows[:1], cl, 1, 0.125)
 
 
 def test_off_by_environment(monkeypatch):
@@ -111,9 +156,9 @@ def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
     """The same greedy tokens and close logprobs with the kernel (decode rows; in the deterministic
     mode every row) and with the torch path."""
     model = tiny_model(seed=3)
-    fast = ModelRunner(model, dtype=torch.float32, page_size=4)
-    every_row = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=True)
-    slow = ModelRunner(model, dtype=torch.float32, page_size=4)
+    fast = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=False)
+    every_row = ModelRunner(model, dtype=torch.float32, page_size=4)  # the default on CPU
+    slow = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=False)
     slow.cpu_kernel = False
     assert fast.cpu_kernel and not fast.prefill_kernel and every_row.prefill_kernel
     prompts = [[1, 5, 9, 2, 7], list(range(3, 40)), [11] * 12]
@@ -171,6 +216,36 @@ def test_fused_ops_give_the_eager_ops_bits(kernels, dtype, width):
     untouched = torch.ones(100, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_and_the_sampler_give_a_row_the_same_bits_alone_or_in_any_batch(kernels, dtype):
+    """add + norm, silu * up, rope + store and argmax + logsumexp work row by row: a row alone, and
+    in batches large enough to go to both threads, gets the same bits."""
+    g = torch.Generator().manual_seed(0)
+    rows, width, heads, kv_heads, dim = 300, 576, 9, 3, 64
+    x, delta = torch.randn(rows, width, generator=g).to(dtype), torch.randn(rows, width, generator=g).to(dtype)
+    weight = (torch.rand(width, generator=g) + 0.5).to(dtype)
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    angles = torch.rand(rows, dim // 2, generator=g) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    logits = 4 * torch.randn(rows, 4099, generator=g)
+
+    def ops(r):
+        cache = torch.zeros(rows, kv_heads, dim, dtype=dtype)
+        fused_x = x[r].clone()
+        h = cpu_kernels.add_rms_norm_(fused_x, delta[r].contiguous(), weight, 1e-5)
+        q, k = cpu_kernels.rope_store(qkv[r].contiguous(), cos[r].contiguous(), sin[r].contiguous(), cache,
+                                      cache.clone(), torch.arange(rows)[r].contiguous(), heads, kv_heads)
+        return [fused_x, h, cpu_kernels.silu_mul(gate_up[r].contiguous()), q, k,
+                *cpu_kernels.argmax_logsumexp(logits[r].contiguous())]
+
+    whole = ops(slice(0, rows))
+    for r in (0, 1, 150, 299):
+        for got, want in zip(ops(slice(r, r + 1)), whole):
+            assert torch.equal(got[0], want[r])
 
 
 @needs_compiler

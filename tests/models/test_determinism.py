@@ -240,7 +240,8 @@ def test_deterministic_greedy_matches_transformers(tiny, hf_greedy, assert_same_
         assert_same_greedy(out, hf_greedy(hf, prompt, 6), 6, tiny.eos_token_ids)
 
 
-def test_deterministic_mode_is_refused_off_cpu(tiny_llama):
+def test_deterministic_mode_is_the_default_on_cpu_and_refused_elsewhere(tiny_llama):
+    assert ModelRunner(tiny_llama, kv_budget_bytes=8 << 20).deterministic
     with pytest.raises(ValueError, match="measured on CPU only"):
         ModelRunner(tiny_llama, device="meta", deterministic=True)
 
@@ -314,7 +315,7 @@ def test_control_outside_the_mode_the_properties_fail(tiny_llama, dtype):
     """The runner outside the mode (prefill rows through SDPA, decode rows through the kernel, one row
     through oneDNN's one-row kernel): some of (a), (c), (d) gives other bits. The same checks in the
     mode hold (the tests above, and here)."""
-    fast = ModelRunner(tiny_llama, dtype=dtype, kv_budget_bytes=8 << 20)
+    fast = ModelRunner(tiny_llama, dtype=dtype, kv_budget_bytes=8 << 20, deterministic=False)
     assert not all(_properties_hold(fast, random.Random(9)))
     assert all(_properties_hold(make_runner(tiny_llama, dtype), random.Random(9)))
 
@@ -326,6 +327,6 @@ def test_control_row_tiles_off_break_the_torch_path(tiny_llama, monkeypatch):
     fallback = make_runner(tiny_llama, torch.float32)
     assert fallback.split is not None and fallback.row_tile is not None and not fallback.prefill_kernel
     assert all(_properties_hold(fallback, random.Random(10)))
-    plain = ModelRunner(tiny_llama, dtype=torch.float32, kv_budget_bytes=8 << 20)
+    plain = ModelRunner(tiny_llama, dtype=torch.float32, kv_budget_bytes=8 << 20, deterministic=False)
     assert not plain.cpu_kernel
     assert not all(_properties_hold(plain, random.Random(10)))
