@@ -10,7 +10,7 @@ kill -9s the scheduler (pid from ``/server_info``) K times, at 1/(K+1),
     python -m benchmarks.bench_recovery [--model PATH] [--requests 16] \\
         [--output-len 256] [--kills 1] [--json out.json]
     python -m benchmarks.bench_recovery --smoke   # tiny model, float32
-    python -m benchmarks.bench_recovery --dtype bfloat16 --deterministic both   # identity, mode off and on
+    python -m benchmarks.bench_recovery --dtype bfloat16 --deterministic both   # identity, mode off and on (on: the default)
 
 Figures (times are this process's ``perf_counter``):
 
@@ -413,8 +413,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for the server start, and again for all the requests")
     p.add_argument("--json", help="write every figure here")
-    p.add_argument("--deterministic", choices=["off", "on", "both"], default="off",
-                   help="the server's --enable-deterministic-inference; both: one run each, identity compared")
+    p.add_argument("--deterministic", choices=["off", "on", "both"], default="on",
+                   help="the server's deterministic inference (on by default; off: "
+                        "--disable-deterministic-inference); both: one run each, identity compared")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: data-parallel replicas, and each kill is of replica 1 (the replica-kill mode)")
     p.add_argument("--smoke", action="store_true", help="tiny model in float32, 4 requests x 128 tokens")

@@ -84,6 +84,7 @@ class Linear:
                  keep_dense: bool = False, kernel: bool = False, codes: bool = False) -> None:
         self.bias = bias
         self.out_features = weight.shape[0]
+        self.shape = tuple(weight.shape)  # [out, in]
         self.panels = None  # tercet's own fp32 kernel's layout (`kernel`), see cpu_kernels.packed_linear
         self.codes = None  # the same kernel's block codes (`codes`), see cpu_kernels.block_linear
         if kernel:
@@ -202,16 +203,19 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> 
 
 
 # Rows at which `onednn_invariant` compares products: oneDNN and MKL pick kernels by the number
-# of rows (1, a few, register-block multiples, past DENSE_ROWS), so each of those regimes
-INVARIANCE_ROWS = (2, 3, 5, 8, 17, 33, 64, 129, 256, 515)  # 515: past DENSE_ROWS
+# of rows (1, a few, register-block multiples, past DENSE_ROWS), so each of those regimes; and the
+# rows of each product compared with the same rows multiplied two at a time (first, inner, last)
+INVARIANCE_ROWS = (2, 3, 5, 8, 17, 33, 64, 129, 256)
+SAMPLED_ROWS = (0, 1, 2, 4, 7, 16, 32, 63, 128, 255, 514)  # 514: past DENSE_ROWS
 
 
 @functools.lru_cache(maxsize=None)
-def onednn_invariant(dtype: torch.dtype, device: torch.device, dense: bool) -> bool:
-    """Whether oneDNN's prepacked products (`Linear(packed=True)`; with `dense`, also `F.linear` on
-    the plain weight from DENSE_ROWS rows on) give every row the bits it gets in a two-row product,
-    at 2 to ~500 rows, on SmolLM2's two projection widths (K = 576 and 1536) -- checked on this
-    machine once per process (~0.1 s), since which kernel oneDNN runs depends on the CPU.
+def onednn_invariant(dtype: torch.dtype, device: torch.device, dense: bool, shape=(1536, 576)) -> bool:
+    """Whether oneDNN's prepacked products of a weight of `shape` (`Linear(packed=True)`; with
+    `dense`, also `F.linear` on the plain weight from DENSE_ROWS rows on) give every row the bits
+    it gets in a two-row product, at 2 to ~500 rows -- checked on this machine, per shape, once per
+    process (a few ms for SmolLM2's shapes), since which kernel oneDNN runs depends on the CPU and
+    the shape (AMX machines switch kernels past 32 rows).
 
     One-row products are left out: oneDNN multiplies a single row by another kernel that rounds
     differently (measured on an AVX512-BF16 EPYC, K = 1536: 3 of 40 rows in bf16, all in fp32), so
@@ -220,16 +224,18 @@ def onednn_invariant(dtype: torch.dtype, device: torch.device, dense: bool) -> b
     if not packing_pays(dtype, device):
         return False
     generator = torch.Generator().manual_seed(1)
-    for shape in ((1536, 576), (576, 1536)):
-        weight = torch.randn(shape, generator=generator).to(dtype)
-        linear = Linear(weight, torch.randn(shape[0], generator=generator).to(dtype), packed=True, keep_dense=dense)
-        x = torch.randn(max(INVARIANCE_ROWS) + 1, shape[1], generator=generator).to(dtype)
-        pairs = torch.cat([linear(x[i : i + 2]) for i in range(0, len(x) - 1, 2)])
-        for rows in INVARIANCE_ROWS:
-            if not torch.equal(linear(x[:rows]), pairs[:rows]):
-                log.info("oneDNN's %s products at %d rows differ from two-row ones%s", dtype, rows,
-                         " (F.linear past %d rows)" % DENSE_ROWS if dense and rows >= DENSE_ROWS else "")
-                return False
+    weight = torch.randn(shape, generator=generator).to(dtype)
+    linear = Linear(weight, torch.randn(shape[0], generator=generator).to(dtype), packed=True, keep_dense=dense)
+    counts = (*INVARIANCE_ROWS, DENSE_ROWS + 3) if dense else INVARIANCE_ROWS
+    x = torch.randn(max(counts), shape[1], generator=generator).to(dtype)
+    # each sampled row multiplied beside row 0 (a row's bits do not depend on its partner's when invariant)
+    alone = {r: linear(x[[0, r] if r else [0, 1]])[1 if r else 0] for r in SAMPLED_ROWS if r < len(x)}
+    for rows in counts:
+        product = linear(x[:rows])
+        if not all(torch.equal(product[r], want) for r, want in alone.items() if r < rows):
+            log.info("oneDNN's %s products of a %s weight at %d rows differ from two-row ones%s", dtype,
+                     tuple(shape), rows, f" (F.linear past {DENSE_ROWS} rows)" if dense and rows >= DENSE_ROWS else "")
+            return False
     return True
 
 
@@ -317,7 +323,8 @@ class _Layer:
             size = weight.numel() * weight.element_size()
             keep = pack and size <= model.dense_budget and dense_pays(weight.dtype, weight.device,
                                                                       tuple(weight.shape))
-            keep = keep and (not model.invariant or onednn_invariant(weight.dtype, weight.device, True))
+            keep = keep and (not model.invariant
+                             or onednn_invariant(weight.dtype, weight.device, True, tuple(weight.shape)))
             model.dense_budget -= size if keep else 0
             return Linear(weight, bias, pack, keep_dense=keep, kernel=model.kernel, codes=model.codes)
 
@@ -397,7 +404,7 @@ class CausalLM:
             if lin.invariant_by_itself:
                 paths["tercet's kernel"] += 1
             elif (lin.packed is not None and not self.upcast
-                  and onednn_invariant(self.dtype, self.device, lin.weight is not None)):
+                  and onednn_invariant(self.dtype, self.device, lin.weight is not None, lin.shape)):
                 lin.min_rows = 2
                 paths["oneDNN, one row padded to two"] += 1
             else:
