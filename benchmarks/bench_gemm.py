@@ -1,5 +1,6 @@
 """fp32 projections: tercet's kernel (cpu_kernels.packed_linear) vs oneDNN prepacked vs F.linear,
-and the same kernel over block codes (cpu_kernels.block_linear).
+and the same kernel over block codes (cpu_kernels.block_linear); bf16 projections: tercet's
+AVX512_BF16 kernel (cpu_kernels.bf16_linear) vs oneDNN's bf16 prepacked, where the CPU has it.
 
     python -m benchmarks.bench_gemm [--smoke] [--json PATH] [--rows 1,8,32,64,2048]
 
@@ -8,9 +9,9 @@ over as many weights of the shape as fill ~96 MB, in turn (so that, as in a
 decode step over a whole model, a weight is read from memory, not from
 cache), best of several rounds. The weights are Q4_1 values (float(q) * d + m
 per block of 32, d and m fp16, as dequantized from a GGUF), so that the block
-codes apply; the fp32 kernels see them as any fp32 weights. The baseline is
-`F.linear` (MKL's sgemm) in the same run; the ratios are what to compare
-across machines. `--smoke`: small shapes, a second.
+codes apply; the fp32 kernels see them as any fp32 weights, the bf16 columns the same weights in
+bf16. The baseline is `F.linear` (MKL's sgemm) in the same run, oneDNN's bf16 GEMM for the bf16
+kernel; the ratios are what to compare across machines. `--smoke`: small shapes, a second.
 """
 
 from __future__ import annotations
@@ -58,10 +59,12 @@ def main(argv=None) -> int:
     rounds = 2 if args.smoke else 5
     ours_ok = cpu_kernels.packed_linear_available()
     dnnl_ok = torch.backends.mkldnn.is_available()
+    bf16_ok = cpu_kernels.bf16_linear_available()
     results = []
     generator = torch.Generator().manual_seed(0)
     print(f"{'shape':>8} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'tercet ms':>10} "
-          f"{'tercet GF/s':>12} {'vs F.linear':>12} {'vs oneDNN':>10} {'codes ms':>9} {'vs tercet':>10}",
+          f"{'tercet GF/s':>12} {'vs F.linear':>12} {'vs oneDNN':>10} {'codes ms':>9} {'vs tercet':>10}"
+          f"{' bf16 oneDNN ms':>15} {'bf16 ms':>8} {'vs oneDNN':>10}" * bf16_ok,
           file=sys.stderr)
     for name, (n, k) in shapes.items():
         count = 2 if args.smoke else max(1, min(64, 96_000_000 // (4 * n * k)))
@@ -69,6 +72,9 @@ def main(argv=None) -> int:
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in weights] if dnnl_ok else []
         panels = [cpu_kernels.pack_linear_weight(w) for w in weights] if ours_ok else []
         codes = [cpu_kernels.pack_block_codes(w) for w in weights] if ours_ok else []
+        halves = [w.bfloat16() for w in weights] if bf16_ok else []
+        onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in halves] if dnnl_ok else []
+        panels_bf16 = [cpu_kernels.pack_bf16_weight(w) for w in halves]
         for rows in rows_list:
             if n * k > 10_000_000 and rows > 64:
                 continue  # the LM head only sees the rows that sample
@@ -93,13 +99,23 @@ def main(argv=None) -> int:
                 coded = best_seconds(lambda: [cpu_kernels.block_linear(x, *c, n) for c in codes], rounds) / count
                 row |= {"codes_ms": round(coded * 1e3, 4), "codes_vs_tercet": round(ours / coded, 2)}
                 line += f" {coded * 1e3:>9.3f} {ours / coded:>10.2f}"
+            if bf16_ok:
+                xh = x.bfloat16()
+                dnnl_bf16 = (best_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(xh, w, None, "none", [], "")
+                                                   for w in onednn_bf16], rounds) / count if dnnl_ok else float("nan"))
+                ours_bf16 = best_seconds(lambda: [cpu_kernels.bf16_linear(xh, p, n) for p in panels_bf16], rounds) / count
+                row |= {"bf16_onednn_ms": round(dnnl_bf16 * 1e3, 4), "bf16_ms": round(ours_bf16 * 1e3, 4),
+                        "bf16_gflops": round(2 * rows * n * k / ours_bf16 / 1e9, 1),
+                        "bf16_vs_onednn": round(dnnl_bf16 / ours_bf16, 2)}
+                line += f" {dnnl_bf16 * 1e3:>14.3f} {ours_bf16 * 1e3:>8.3f} {dnnl_bf16 / ours_bf16:>10.2f}"
             results.append(row)
             print(line, file=sys.stderr)
     if not ours_ok:
         print("tercet's kernel is not available here (no AVX2 + FMA build); baselines only", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": results, "threads": torch.get_num_threads(), "kernel": ours_ok}, f, indent=1)
+            json.dump({"rows": results, "threads": torch.get_num_threads(), "kernel": ours_ok,
+                       "bf16_kernel": bf16_ok}, f, indent=1)
     return 0
 
 

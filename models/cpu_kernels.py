@@ -9,10 +9,12 @@
 - `rope_store`, `add_rms_norm_`, `silu_mul`: a decoder layer's elementwise steps,
   one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
 - `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass;
-- `pack_linear_weight` / `packed_linear`: fp32 projections on AVX2 + FMA over weights packed
-  at load (`layers.Linear(kernel=True)`, where `layers.kernel_pays`), batch-invariant;
+- `pack_linear_weight` / `packed_linear`: fp32 projections (AVX-512 or AVX2 + FMA, the same bits)
+  over weights packed at load (`layers.Linear(kernel=True)`, where `layers.kernel_pays`), batch-invariant;
 - `pack_block_codes` / `block_linear`: the same products for weights that are exactly GGUF
-  block codes (Q4_1, Q8_0 dequantized at load), kept as int8 codes: a third of the bytes read.
+  block codes (Q4_1, Q8_0 dequantized at load), kept as int8 codes: a third of the bytes read;
+- `pack_bf16_weight` / `bf16_linear`: bf16 projections with AVX512_BF16's vdpbf16ps (CPUs that have
+  it, `bf16_linear_available`), fp32 sums, batch-invariant.
 
 The vector code is written once over `csrc/vec.h` (AVX-512 or AVX2 + FMA + F16C); other
 CPUs get the portable scalar paths.
@@ -43,7 +45,7 @@ from .loading import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemm.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemm.cpp", CSRC / "gemm_bf16.cpp"]
 HEADERS = [CSRC / "vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused a*b+c: the eager ops round each
 
@@ -169,7 +171,7 @@ def packed_linear(x, packed, out_features: int, bias=None):
 
 
 def packed_linear_available() -> bool:
-    """Whether the kernels are loaded and were built with the AVX2 + FMA projection kernel."""
+    """Whether the kernels are loaded and were built with the fp32 projection kernel (AVX-512 or AVX2 + FMA)."""
     return load() and torch.ops.tercet.packed_linear_available()
 
 
@@ -183,3 +185,21 @@ def pack_block_codes(weight):
 def block_linear(x, codes, scales, offsets, out_features: int, bias=None):
     """`packed_linear` over weights kept as block codes: the same bits, 3.2x fewer bytes read."""
     return torch.ops.tercet.block_linear(x, codes, scales, offsets, out_features, bias)
+
+
+def pack_bf16_weight(weight):
+    """bf16 W [N, K] -> panels of 16 output columns, k in pairs [ceil(N/16), ceil(K/2), 32] bf16, for
+    `bf16_linear` (packs on any CPU; see csrc/gemm_bf16.cpp)."""
+    return torch.ops.tercet.pack_bf16_weight(weight)
+
+
+def bf16_linear(x, packed, out_features: int, bias=None):
+    """bf16 x [M, K] W^T (+ bias, bf16 or fp32 [out_features]) -> bf16 [M, out_features]: each output one
+    fp32 sum over the k pairs in order (vdpbf16ps), the bias added in fp32, rounded to bf16 once; a row's
+    bits do not depend on the batch. Raises where `bf16_linear_available()` is False."""
+    return torch.ops.tercet.bf16_linear(x, packed, out_features, bias)
+
+
+def bf16_linear_available() -> bool:
+    """Whether the kernels are loaded and were built with the AVX512_BF16 kernel (the CPU has avx512_bf16)."""
+    return load() and torch.ops.tercet.bf16_linear_available()

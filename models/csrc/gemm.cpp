@@ -1,28 +1,31 @@
-// fp32 projections y = x W^T (+ b) on AVX2 + FMA, W prepacked once at load.
+// fp32 projections y = x W^T (+ b), W prepacked once at load; written over vec.h (AVX-512 or
+// AVX2 + FMA + F16C).
 //
-// Why: on an AVX2-only AMD EPYC (Zen 3, 2 cores) MKL's sgemm and oneDNN's
-// reach 50-65 % of the FMA peak on SmolLM2's shapes (K = 576 / 1536, 1-2048
-// rows); a register-blocked kernel over a prepacked W does better, and at a
-// few rows it streams W once at memory speed.
+// Why: MKL's sgemm and oneDNN's reach 50-65 % of the FMA peak on SmolLM2's shapes (K = 576 / 1536,
+// 1-2048 rows) on an AVX2 EPYC (Zen 3); a register-blocked kernel over a prepacked W does better,
+// and at a few rows it streams W once at memory speed. On AVX-512 (Zen 5) it is even with
+// oneDNN's prepacked fp32 GEMM at 8-64 rows (~90 % of the FMA peak) and ahead at 1-2.
 //
-// Layout: W [N, K] is packed into panels of 16 output columns, [ceil(N/16), K, 16]
-// (the last panel zero-padded). A 6 x 16 block of y lives in 12 ymm registers
-// while k runs over K; each step loads 16 weights and broadcasts 6 inputs.
+// Layout: W [N, K] is packed into panels of 16 output columns, [ceil(N/16), K, 16] (the last
+// panel zero-padded), the same on both builds. A register block is kRows rows of y by kPanels
+// panels (AVX2: 6 x 16 in 12 ymm; AVX-512: 8 x 48 in 24 zmm) while k runs over K; each step
+// loads the panels' weights at k and broadcasts the rows' inputs.
 //
-// Each output is one fp32 accumulator fed k = 0, 1, ..., K-1 in order, one
-// fused multiply-add per k, whatever the number of rows, the blocking or the
-// threads: a row's result does not depend on the batch (batch-invariant).
+// Each output is one fp32 accumulator fed k = 0, 1, ..., K-1 in order, one fused multiply-add per
+// k, whatever the number of rows, the blocking, the threads or the vector width: a row's result
+// does not depend on the batch (batch-invariant), and the AVX2 and AVX-512 builds give the same bits.
 //
 //   pack_linear_weight(w [N, K] fp32) -> packed [ceil(N/16), K, 16]
 //   packed_linear(x [M, K] fp32, packed, n, bias?) -> y [M, n]
-//   packed_linear_available() -> whether this build has the AVX2 kernel
+//   packed_linear_available() -> whether this build has the vector kernel
 //
 // Block codes: weights dequantized from a GGUF (Q4_1, Q8_0) are, per row and 32 k, exactly
 // float(q) * d + m (each op rounded in fp32) with an integer q and fp16 d, m. Found at load, they
 // are kept as int8 codes [ceil(N/16), K, 16] and per-block d, m [ceil(N/16), K/32, 16]: 1.25 bytes
 // a weight instead of 4. The kernel rebuilds each panel in fp32 (the same bits) into a per-thread
 // buffer and runs the same blocks over it, so y has the bits of packed_linear on the fp32 weights;
-// at a few rows, where W is streamed once per token from memory, it reads 3.2x fewer bytes.
+// at one or two rows, where W is streamed once per token from memory, it rebuilds the weights in
+// registers and reads 3.2x fewer bytes.
 //
 //   pack_block_codes(w [N, K] fp32) -> [codes, scales, offsets], or [] where W is not exactly so
 //   block_linear(x [M, K] fp32, codes, scales, offsets, n, bias?) -> y [M, n]
@@ -36,30 +39,60 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TERCET_GEMM 1
-#else
-#define TERCET_GEMM 0
-#endif
+#include "vec.h"
+
+#define TERCET_GEMM TERCET_VEC
 
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel
-constexpr int kRows = 6;        // rows per register block
+#if defined(__AVX512F__)
+constexpr int kRows = 8;    // rows per register block
+constexpr int kPanels = 3;  // panels per register block: 8 x 3 zmm accumulators of the 32 (SmolLM2's
+                            // widths are multiples of 48; 12 x 2, 6 x 4, 14 x 2 measured the same)
+#else
+constexpr int kRows = 6;    // 6 x 2 ymm of the 16
+constexpr int kPanels = 1;
+#endif
 constexpr int64_t kBlockRows = 96;  // rows whose inputs stay in L2 while the panels pass (a multiple of kRows)
 constexpr int64_t kCodeBlockRows = 384;  // the same for block codes: each pass decodes every panel once
 constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_0 blocks)
 // products of up to this many rows decode the codes in registers (at 3-4 rows that measured even
 // with the buffer for the layers' shapes and slower for the LM head: bench_gemm)
 constexpr int64_t kDirectRows = 2;
+#if TERCET_GEMM
+constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
+constexpr int kChains = 8;  // accumulator chains of the direct code paths (rows x panels x kVecs)
+// The rows' inputs: read in place on AVX-512 (grouping them measured 5-20 % slower at 1-8 rows),
+// grouped by kRows, interleaved [k][kRows], on AVX2 (one stream for the broadcasts; in place
+// measured 15-25 % slower at 8-32 rows). Row r's input i at xr[r][i * kStep].
+constexpr bool kInPlace = vec::kLanes == 16;
+constexpr int64_t kStep = kInPlace ? 1 : kRows;
+
+// The R x V accumulators of a block to R rows of y (stride ldc), cols of them, + bias.
+template <int R, int V>
+inline void store_rows(const vec::vf (&c)[R][V], float* y, int64_t ldc, int64_t cols, const float* bias) {
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[V * vec::kLanes];
+    for (int v = 0; v < V; ++v) vec::store(row + v * vec::kLanes, c[r][v]);
+    float* out = y + r * ldc;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < cols; ++j) out[j] = row[j] + bias[j];
+    } else {
+      for (int64_t j = 0; j < cols; ++j) out[j] = row[j];
+    }
+  }
+}
+#endif
 
 at::Tensor pack_linear_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "w must be a float32 CPU [N, K]");
@@ -140,156 +173,105 @@ std::vector<at::Tensor> pack_block_codes(const at::Tensor& w) {
 }
 
 #if TERCET_GEMM
-// R rows of x (one group, interleaved) against one panel: y[r, 0:cols] (stride ldc) = x_r . panel (+ bias).
-// The 2R accumulators are named variables, not an array: GCC kept an array in memory and
-// stored it on every k (half the speed).
-// (Slicing k so that 8 KB of a panel stays in L1 measured slower here.)
-template <int R>
-inline void block(const float* x, const float* panel, int64_t k, float* y, int64_t ldc, int64_t cols,
-                  const float* bias) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  // x: the group's rows interleaved, [k][kRows] (packed_linear groups them): one stream for the broadcasts
-#pragma GCC unroll 8
+// R rows of x (in place, ldx apart, or one group) against P consecutive panels (stride k * kPanel):
+// y[r, 0:cols] (stride ldc) = x_r . panels (+ bias).
+// R * P * kVecs accumulators, each one output lane summed over k in order. GCC keeps the
+// fully unrolled arrays in registers (an array indexed by a loop variable was kept in memory).
+template <int R, int P>
+void block(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, int64_t ldc, int64_t cols,
+           const float* bias) {
+  constexpr int V = P * kVecs;
+  const float* xr[R];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) xr[r] = kInPlace ? x + r * ldx : x + r;
+  vec::vf c[R][V];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int v = 0; v < V; ++v) c[r][v] = vec::zero();
+#pragma GCC unroll 4
   for (int64_t i = 0; i < k; ++i) {
-    const __m256 b0 = _mm256_loadu_ps(panel + i * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(panel + i * kPanel + 8);
-    const float* xi = x + i * kRows;
-    __m256 a = _mm256_broadcast_ss(xi);
-    c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
-    if constexpr (R > 1) a = _mm256_broadcast_ss(xi + 1), c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
-    if constexpr (R > 2) a = _mm256_broadcast_ss(xi + 2), c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
-    if constexpr (R > 3) a = _mm256_broadcast_ss(xi + 3), c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
-    if constexpr (R > 4) a = _mm256_broadcast_ss(xi + 4), c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
-    if constexpr (R > 5) a = _mm256_broadcast_ss(xi + 5), c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
-  }
-  const __m256 lo[kRows] = {c00, c10, c20, c30, c40, c50}, hi[kRows] = {c01, c11, c21, c31, c41, c51};
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float row[kPanel];
-    _mm256_store_ps(row, lo[r]);
-    _mm256_store_ps(row + 8, hi[r]);
-    float* out = y + r * ldc;
-    if (bias != nullptr) {
-      for (int64_t j = 0; j < cols; ++j) out[j] = row[j] + bias[j];
-    } else {
-      for (int64_t j = 0; j < cols; ++j) out[j] = row[j];
+    vec::vf b[V];
+#pragma GCC unroll 32
+    for (int v = 0; v < V; ++v) b[v] = vec::load(panel + (v / kVecs) * k * kPanel + i * kPanel + (v % kVecs) * vec::kLanes);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const vec::vf a = vec::set1(xr[r][i * kStep]);
+#pragma GCC unroll 32
+      for (int v = 0; v < V; ++v) c[r][v] = vec::fmadd(a, b[v], c[r][v]);
     }
   }
+  store_rows<R, V>(c, y, ldc, cols, bias);
 }
 
-void rows_block(int rows, const float* x, const float* panel, int64_t k, float* y, int64_t ldc, int64_t cols,
-                const float* bias) {
-  switch (rows) {
-    case 6: block<6>(x, panel, k, y, ldc, cols, bias); break;
-    case 5: block<5>(x, panel, k, y, ldc, cols, bias); break;
-    case 4: block<4>(x, panel, k, y, ldc, cols, bias); break;
-    case 3: block<3>(x, panel, k, y, ldc, cols, bias); break;
-    case 2: block<2>(x, panel, k, y, ldc, cols, bias); break;
-    default: block<1>(x, panel, k, y, ldc, cols, bias); break;
-  }
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+template <int P, int... R>
+constexpr std::array<BlockFn, kRows> blocks_of(std::integer_sequence<int, R...>) {
+  return {&block<R + 1, P>...};
 }
-#endif
-
-#if TERCET_GEMM
-// One panel's fp32 weights from its codes: w = float(q) * d + m, into buf [k, 16].
-void decode_panel(const int8_t* codes, const float* scales, const float* offsets, int64_t k, float* buf) {
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m256 d0 = _mm256_loadu_ps(scales + g * kPanel), d1 = _mm256_loadu_ps(scales + g * kPanel + 8);
-    const __m256 m0 = _mm256_loadu_ps(offsets + g * kPanel), m1 = _mm256_loadu_ps(offsets + g * kPanel + 8);
-    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-      _mm256_storeu_ps(buf + i * kPanel, _mm256_add_ps(_mm256_mul_ps(q0, d0), m0));
-      _mm256_storeu_ps(buf + i * kPanel + 8, _mm256_add_ps(_mm256_mul_ps(q1, d1), m1));
-    }
-  }
+template <int... P>
+constexpr std::array<std::array<BlockFn, kRows>, kPanels> all_blocks(std::integer_sequence<int, P...>) {
+  return {blocks_of<P + 1>(std::make_integer_sequence<int, kRows>())...};
 }
+// kBlocks[panels - 1][rows - 1]
+constexpr auto kBlocks = all_blocks(std::make_integer_sequence<int, kPanels>());
 
-// Half a panel's 8 weights at k row i of group g: float(q) * d + m.
-inline __m256 decode8(const int8_t* codes, __m256 d, __m256 m) {
-  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
-  return _mm256_add_ps(_mm256_mul_ps(q, d), m);
-}
-
-// One row against four panels straight from their codes (no buffer): eight independent
-// accumulator chains hide the FMA latency that bounds one panel's two; each output still one
-// sum over k in order, as block<R>. For one-row products (batch-1 decode), where the
-// decode of the weights, not their use, is the work.
-void row_by_four_panels(const float* x, const int8_t* codes, const float* scales, const float* offsets,
-                        int64_t k, int64_t panels, float* y, int64_t n, const float* bias) {
-  const int64_t cstride = k * kPanel, sstride = (k / kGroup) * kPanel;
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-  const int8_t* q0 = codes;
-  const int8_t* q1 = codes + (panels > 1 ? 1 : 0) * cstride;
-  const int8_t* q2 = codes + (panels > 2 ? 2 : 0) * cstride;
-  const int8_t* q3 = codes + (panels > 3 ? 3 : 0) * cstride;
-  const int64_t o1 = (panels > 1 ? 1 : 0) * sstride, o2 = (panels > 2 ? 2 : 0) * sstride, o3 = (panels > 3 ? 3 : 0) * sstride;
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const float* d = scales + g * kPanel;
-    const float* m = offsets + g * kPanel;
-    const __m256 d00 = _mm256_loadu_ps(d), d01 = _mm256_loadu_ps(d + 8), m00 = _mm256_loadu_ps(m), m01 = _mm256_loadu_ps(m + 8);
-    const __m256 d10 = _mm256_loadu_ps(d + o1), d11 = _mm256_loadu_ps(d + o1 + 8), m10 = _mm256_loadu_ps(m + o1), m11 = _mm256_loadu_ps(m + o1 + 8);
+// `count` consecutive panels' fp32 weights from their codes: w = float(q) * d + m, into buf [count, k, 16].
+void decode_panels(const int8_t* codes, const float* scales, const float* offsets, int64_t k, int64_t count,
+                   float* buf) {
+  for (int64_t g = 0; g < count * (k / kGroup); ++g) {  // the panels' groups, in order (contiguous)
+    vec::vf d[kVecs], m[kVecs];
 #pragma GCC unroll 4
-    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * kRows);
-      c0 = _mm256_fmadd_ps(a, decode8(q0 + i * kPanel, d00, m00), c0);
-      c1 = _mm256_fmadd_ps(a, decode8(q0 + i * kPanel + 8, d01, m01), c1);
-      c2 = _mm256_fmadd_ps(a, decode8(q1 + i * kPanel, d10, m10), c2);
-      c3 = _mm256_fmadd_ps(a, decode8(q1 + i * kPanel + 8, d11, m11), c3);
-      c4 = _mm256_fmadd_ps(a, decode8(q2 + i * kPanel, _mm256_loadu_ps(d + o2), _mm256_loadu_ps(m + o2)), c4);
-      c5 = _mm256_fmadd_ps(a, decode8(q2 + i * kPanel + 8, _mm256_loadu_ps(d + o2 + 8), _mm256_loadu_ps(m + o2 + 8)), c5);
-      c6 = _mm256_fmadd_ps(a, decode8(q3 + i * kPanel, _mm256_loadu_ps(d + o3), _mm256_loadu_ps(m + o3)), c6);
-      c7 = _mm256_fmadd_ps(a, decode8(q3 + i * kPanel + 8, _mm256_loadu_ps(d + o3 + 8), _mm256_loadu_ps(m + o3 + 8)), c7);
-    }
-  }
-  const __m256 acc[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
-  for (int64_t p = 0; p < std::min<int64_t>(4, panels); ++p) {
-    alignas(32) float row[kPanel];
-    _mm256_store_ps(row, acc[2 * p]);
-    _mm256_store_ps(row + 8, acc[2 * p + 1]);
-    const int64_t cols = std::min(kPanel, n - p * kPanel);
-    for (int64_t j = 0; j < cols; ++j) y[p * kPanel + j] = bias != nullptr ? row[j] + bias[p * kPanel + j] : row[j];
+    for (int v = 0; v < kVecs; ++v)
+      d[v] = vec::load(scales + g * kPanel + v * vec::kLanes), m[v] = vec::load(offsets + g * kPanel + v * vec::kLanes);
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = i * kPanel + v * vec::kLanes;
+        vec::store(buf + at, vec::add(vec::mul(vec::load(codes + at), d[v]), m[v]));
+      }
   }
 }
 
-// Two rows against two panels straight from their codes: eight accumulator chains, each
-// output one sum over k in order (as block<R>). x: the rows' inputs, stride kRows per k (grouped).
-// For two-row products (decode at concurrency 2), where decoding into a buffer and reading it back
-// costs as much as the weights' bytes save (1.4-2.2x the buffer path, bench_gemm).
-void rows_by_two_panels(const float* x, const int8_t* codes, const float* scales, const float* offsets,
-                        int64_t k, int64_t panels, float* y, int64_t ldc, int64_t n, const float* bias) {
-  const int64_t o1 = panels > 1 ? (k / kGroup) * kPanel : 0;
-  const int8_t* q0 = codes;
-  const int8_t* q1 = codes + (panels > 1 ? k * kPanel : 0);
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+// R rows (as block's x) against P panels straight from their codes, no buffer: R * P *
+// kVecs accumulator chains (enough to hide the FMA latency), each output one sum over k in order,
+// as block's. For one- and two-row products (decode at concurrency 1-2), where decoding into a
+// buffer and reading it back costs as much as the weights' bytes save (1.4-2.2x, bench_gemm).
+// Panels past `count` repeat panel 0 (computed, not stored).
+template <int R, int P>
+void direct(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* offsets, int64_t k,
+            int64_t count, float* y, int64_t ldc, int64_t cols, const float* bias) {
+  constexpr int V = P * kVecs;
+  const int8_t* q[P];
+  int64_t o[P];
+  for (int p = 0; p < P; ++p) {
+    const int64_t at = p < count ? p : 0;
+    q[p] = codes + at * k * kPanel, o[p] = at * (k / kGroup) * kPanel;
+  }
+  vec::vf c[R][V];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int v = 0; v < V; ++v) c[r][v] = vec::zero();
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const float* d = scales + g * kPanel;
     const float* m = offsets + g * kPanel;
 #pragma GCC unroll 4
     for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
-      const __m256 w0 = decode8(q0 + i * kPanel, _mm256_loadu_ps(d), _mm256_loadu_ps(m));
-      const __m256 w1 = decode8(q0 + i * kPanel + 8, _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
-      const __m256 w2 = decode8(q1 + i * kPanel, _mm256_loadu_ps(d + o1), _mm256_loadu_ps(m + o1));
-      const __m256 w3 = decode8(q1 + i * kPanel + 8, _mm256_loadu_ps(d + o1 + 8), _mm256_loadu_ps(m + o1 + 8));
-      const __m256 a0 = _mm256_broadcast_ss(x + i * kRows);
-      c00 = _mm256_fmadd_ps(a0, w0, c00), c01 = _mm256_fmadd_ps(a0, w1, c01);
-      c02 = _mm256_fmadd_ps(a0, w2, c02), c03 = _mm256_fmadd_ps(a0, w3, c03);
-      const __m256 a1 = _mm256_broadcast_ss(x + i * kRows + 1);
-      c10 = _mm256_fmadd_ps(a1, w0, c10), c11 = _mm256_fmadd_ps(a1, w1, c11);
-      c12 = _mm256_fmadd_ps(a1, w2, c12), c13 = _mm256_fmadd_ps(a1, w3, c13);
+      vec::vf a[R];
+#pragma GCC unroll 32
+      for (int r = 0; r < R; ++r) a[r] = vec::set1(kInPlace ? x[r * ldx + i] : x[i * kRows + r]);
+#pragma GCC unroll 32
+      for (int v = 0; v < V; ++v) {
+        const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
+        const vec::vf w = vec::add(vec::mul(vec::load(q[p] + i * kPanel + lane), vec::load(d + o[p] + lane)),
+                                   vec::load(m + o[p] + lane));
+#pragma GCC unroll 32
+        for (int r = 0; r < R; ++r) c[r][v] = vec::fmadd(a[r], w, c[r][v]);
+      }
     }
   }
-  const __m256 acc[2][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}};
-  for (int r = 0; r < 2; ++r)
-    for (int64_t p = 0; p < std::min<int64_t>(2, panels); ++p) {
-      alignas(32) float row[kPanel];
-      _mm256_store_ps(row, acc[r][2 * p]);
-      _mm256_store_ps(row + 8, acc[r][2 * p + 1]);
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      float* out = y + r * ldc + p * kPanel;
-      for (int64_t j = 0; j < cols; ++j) out[j] = bias != nullptr ? row[j] + bias[p * kPanel + j] : row[j];
-    }
+  store_rows<R, V>(c, y, ldc, cols, bias);
 }
 #endif
 
@@ -300,19 +282,13 @@ const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::
   return keep.data_ptr<float>();
 }
 
-// y = x W^T (+ b) over `panels` panels of 16 columns; panel_of(p, buf) gives panel p's fp32
-// weights [k, 16], in place or decoded into buf (this thread's, k * 16 floats).
-template <typename PanelOf>
-at::Tensor project(const at::Tensor& x, int64_t panels, int64_t n, const float* b, int64_t block_rows,
-                   PanelOf panel_of) {
-  [[maybe_unused]] const int64_t m = x.size(0), k = x.size(1);
-  const auto xin = x.contiguous();
-  auto y = at::empty({m, n}, x.options());
 #if TERCET_GEMM
-  float* out = y.data_ptr<float>();
-  if (m == 0) return y;
-  // x's rows in groups of kRows, interleaved per k: group g at a + g * k * kRows
-  const int64_t groups = (m + kRows - 1) / kRows;
+// x's rows as the blocks read them (kInPlace: x itself; else in groups of kRows, interleaved per
+// k: group g at [g * k * kRows], rows past m zero); rows_at(a, r, k): where row r's block starts
+at::Tensor block_rows_of(const at::Tensor& x) {
+  if (kInPlace) return x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = (m + kRows - 1) / kRows;
+  const auto xin = x.contiguous();
   auto grouped = at::empty({groups * k * kRows}, x.options());
   float* a = grouped.data_ptr<float>();
   const float* src = xin.data_ptr<float>();
@@ -324,19 +300,42 @@ at::Tensor project(const at::Tensor& x, int64_t panels, int64_t n, const float* 
         for (int64_t r = 0; r < kRows; ++r) dst[i * kRows + r] = r < rows ? src[(g * kRows + r) * k + i] : 0.f;
     }
   });
-  // threads split the panels (each its own columns of y); rows go in blocks that stay in L2
-  const int64_t grain = std::max<int64_t>(1, 8 / std::max<int64_t>(1, (m + kRows - 1) / kRows));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(static_cast<size_t>(k * kPanel));
+  return grouped;
+}
+inline const float* rows_at(const float* a, int64_t r, int64_t k) {
+  return kInPlace ? a + r * k : a + (r / kRows) * k * kRows;
+}
+#endif
+
+// y = x W^T (+ b) over `panels` panels of 16 columns; panel_of(p, count, buf) gives the fp32
+// weights of panels p .. p + count - 1 [count, k, 16], in place or decoded into buf (this
+// thread's, kPanels * k * 16 floats).
+template <typename PanelOf>
+at::Tensor project(const at::Tensor& x, int64_t panels, int64_t n, const float* b, int64_t block_rows,
+                   PanelOf panel_of) {
+  [[maybe_unused]] const int64_t m = x.size(0), k = x.size(1);
+  auto y = at::empty({m, n}, x.options());
+#if TERCET_GEMM
+  float* out = y.data_ptr<float>();
+  if (m == 0) return y;
+  const auto rows_in = block_rows_of(x);
+  const float* a = rows_in.data_ptr<float>();
+  // threads split the panels in units of kPanels (each its own columns of y); rows go in blocks
+  // that stay in L2
+  const int64_t units = (panels + kPanels - 1) / kPanels;
+  const int64_t grain = std::max<int64_t>(1, 8 / kPanels / std::max<int64_t>(1, (m + kRows - 1) / kRows));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(kPanels * k * kPanel));
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const int64_t r1 = std::min(m, r0 + block_rows);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t cols = std::min(kPanel, n - p * kPanel);
-        const float* panel = panel_of(p, buf.data());
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t p = u * kPanels, count = std::min<int64_t>(kPanels, panels - p);
+        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
+        const float* panel = panel_of(p, count, buf.data());
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
         for (int64_t r = r0; r < r1; r += kRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
-          rows_block(rows, a + (r / kRows) * k * kRows, panel, k, out + r * n + p * kPanel, n, cols, pb);
+          const int64_t rows = std::min<int64_t>(kRows, r1 - r);
+          kBlocks[count - 1][rows - 1](rows_at(a, r, k), k, panel, k, out + r * n + p * kPanel, n, cols, pb);
         }
       }
     }
@@ -346,7 +345,7 @@ at::Tensor project(const at::Tensor& x, int64_t panels, int64_t n, const float* 
 }
 
 void check_x(const at::Tensor& x, int64_t k, int64_t panels, int64_t n) {
-  TORCH_CHECK(TERCET_GEMM, "this build has no AVX2 + FMA projection kernel");
+  TORCH_CHECK(TERCET_GEMM, "this build has no AVX2 + FMA or AVX-512 projection kernel");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a float32 CPU [M, K]");
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the packed weight");
@@ -361,7 +360,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   at::Tensor keep;
   const float* b = checked_bias(bias, n, keep);
   const float* w = packed.data_ptr<float>();
-  return project(x, packed.size(0), n, b, kBlockRows, [&](int64_t p, float*) { return w + p * k * kPanel; });
+  return project(x, packed.size(0), n, b, kBlockRows,
+                 [&](int64_t p, int64_t, float*) { return w + p * k * kPanel; });
 }
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -379,34 +379,31 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   [[maybe_unused]] const float* d = scales.data_ptr<float>();
   [[maybe_unused]] const float* mo = offsets.data_ptr<float>();
 #if TERCET_GEMM
-  if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes: one row over four panels, two over two
-    const int64_t m = x.size(0), sstride = (k / kGroup) * kPanel, width = m == 1 ? 4 : 2;
-    const auto xin = x.contiguous();
-    const float* src = xin.data_ptr<float>();
-    std::vector<float> xg(static_cast<size_t>(k * kRows), 0.f);  // one group of kRows, interleaved per k
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t i = 0; i < k; ++i) xg[i * kRows + r] = src[r * k + i];
+  if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes
+    const int64_t m = x.size(0), sstride = (k / kGroup) * kPanel;
+    const int64_t width = kChains / kVecs / m;  // panels per call: kChains accumulators in all
+    const auto rows_in = block_rows_of(x);
+    const float* a = rows_in.data_ptr<float>();
     auto y = at::empty({m, n}, x.options());
     float* out = y.data_ptr<float>();
-    at::parallel_for(0, (panels + width - 1) / width, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
+        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
         const int8_t* pc = c + p * k * kPanel;
         if (m == 1)
-          row_by_four_panels(xg.data(), pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel,
-                             n - p * kPanel, pb);
+          direct<1, kChains / kVecs>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
         else
-          rows_by_two_panels(xg.data(), pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n,
-                             n - p * kPanel, pb);
+          direct<2, kChains / kVecs / 2>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
       }
     });
     return y;
   }
 #endif
-  return project(x, panels, n, b, kCodeBlockRows, [&](int64_t p, float* buf) {
+  return project(x, panels, n, b, kCodeBlockRows, [&](int64_t p, int64_t count, float* buf) {
 #if TERCET_GEMM
-    decode_panel(c + p * k * kPanel, d + p * (k / kGroup) * kPanel, mo + p * (k / kGroup) * kPanel, k, buf);
+    decode_panels(c + p * k * kPanel, d + p * (k / kGroup) * kPanel, mo + p * (k / kGroup) * kPanel, k, count, buf);
 #endif
     return static_cast<const float*>(buf);
   });

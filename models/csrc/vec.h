@@ -5,9 +5,9 @@
 //   AVX2 + FMA + F16C kLanes = 8   (__m256)
 //   anything else     TERCET_VEC 0: the kernels' portable scalar paths serve
 //
-// Loads and stores convert the model dtype (float, bf16, fp16) to and from fp32 lanes; stores
-// round to nearest even, as torch's conversions do. vexp is exp on every lane (~2 ulp over
-// x <= 0, the softmax's range; overflow gives +inf, as std::exp).
+// Loads and stores convert the model dtype (float, bf16, fp16) to and from fp32 lanes (loads also
+// int8 codes, exactly); stores round to nearest even, as torch's conversions do. vexp is exp on
+// every lane (~2 ulp over x <= 0, the softmax's range; overflow gives +inf, as std::exp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -42,6 +42,9 @@ inline vf load(const c10::BFloat16* p) {
 }
 inline vf load(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vf load(const int8_t* p) {  // 16 int8 codes as floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
 
@@ -97,6 +100,9 @@ inline vf load(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline vf load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf load(const int8_t* p) {  // 8 int8 codes as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
 
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }

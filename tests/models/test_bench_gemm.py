@@ -21,3 +21,7 @@ def test_bench_gemm_smoke_prints_its_table_and_writes_its_json(tmp_path):
         assert all(row["tercet_ms"] > 0 and row["vs_f_linear"] > 0 for row in result["rows"])
         assert all(row["codes_ms"] > 0 and row["codes_vs_tercet"] > 0 for row in result["rows"])
         assert "vs F.linear" in run.stderr
+    assert result["bf16_kernel"] == cpu_kernels.bf16_linear_available()
+    if result["bf16_kernel"]:
+        assert all(row["bf16_ms"] > 0 and row["bf16_onednn_ms"] > 0 for row in result["rows"])
+        assert "bf16 ms" in run.stderr
