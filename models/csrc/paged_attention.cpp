@@ -102,13 +102,22 @@ inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
 }
-// kv head h of token t's cache slot as C vectors of L floats; prefetches the slot kAhead on (before `end`)
+// The cache slots of keys [begin, end) through the page table, counted without a division per key
+inline void slots_of(const int32_t* pages, int64_t begin, int64_t end, int64_t page_size, int64_t* slots) {
+  int64_t page = begin / page_size, offset = begin % page_size;
+  for (int64_t t = 0; t < end - begin; ++t) {
+    slots[t] = static_cast<int64_t>(pages[page]) * page_size + offset;
+    if (++offset == page_size) offset = 0, ++page;
+  }
+}
+
+// kv head h of the i-th key's slot as C vectors of L floats; prefetches the slot kAhead on (before `n`)
 template <typename T, int C>
-inline void load_head(const T* cache, const int32_t* pages, int64_t t, int64_t end, const Shape& s, int64_t h,
+inline void load_head(const T* cache, const int64_t* slots, int64_t i, int64_t n, const Shape& s, int64_t h,
                       vec::vf (&out)[C]) {
   const int64_t stride = s.kv_heads * C * L;
-  const T* x = cache + slot_of(pages, t, s.page_size) * stride + h * C * L;
-  if (t + kAhead < end) prefetch(cache + slot_of(pages, t + kAhead, s.page_size) * stride + h * C * L, C * L);
+  const T* x = cache + slots[i] * stride + h * C * L;
+  if (i + kAhead < n) prefetch(cache + slots[i + kAhead] * stride + h * C * L, C * L);
   for (int c = 0; c < C; ++c) out[c] = vec::load(x + c * L);
 }
 
@@ -124,16 +133,18 @@ void split_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pa
   using namespace vec;
   const int64_t group = s.heads / s.kv_heads, dim = C * L, n = end - begin;
   const int64_t padded = (n + L - 1) / L * L;
+  int64_t slots[kSplit];
+  slots_of(pages, begin, end, s.page_size, slots);
   vf query[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) query[g][c] = mul(load(q + g * dim + c * L), set1(s.scale));
-  for (int64_t t = begin; t < end; ++t) {
+  for (int64_t i = 0; i < n; ++i) {
     vf key[C];
-    load_head<T, C>(k_cache, pages, t, end, s, h, key);
+    load_head<T, C>(k_cache, slots, i, n, s, h, key);
     for (int64_t g = 0; g < group; ++g) {
       vf dot = mul(query[g][0], key[0]);
       for (int c = 1; c < C; ++c) dot = fmadd(query[g][c], key[c], dot);
-      scores[g * kSplit + t - begin] = reduce_add(dot);
+      scores[g * kSplit + i] = reduce_add(dot);
     }
   }
   float* top = part + group * dim;
@@ -156,11 +167,11 @@ void split_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pa
   vf acc[kMaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = zero();
-  for (int64_t t = begin; t < end; ++t) {
+  for (int64_t i = 0; i < n; ++i) {
     vf value[C];
-    load_head<T, C>(v_cache, pages, t, end, s, h, value);
+    load_head<T, C>(v_cache, slots, i, n, s, h, value);
     for (int64_t g = 0; g < group; ++g) {
-      const vf p = set1(scores[g * kSplit + t - begin]);
+      const vf p = set1(scores[g * kSplit + i]);
       for (int c = 0; c < C; ++c) acc[g][c] = fmadd(p, value[c], acc[g][c]);
     }
   }
