@@ -331,3 +331,11 @@ def test_control_row_tiles_off_break_the_torch_path(tiny_llama, monkeypatch):
     plain = ModelRunner(tiny_llama, dtype=torch.float32, kv_budget_bytes=8 << 20, deterministic=False)
     assert not plain.cpu_kernel
     assert not all(_properties_hold(plain, random.Random(10)))
+
+
+def test_every_family_holds_the_properties(tiny):
+    """llama with llama3 rope, qwen2 (q/k/v biases), qwen3 (q/k norms: the unfused layer path),
+    mistral: (a), (c) and (d) by default, in the server's dtype on this CPU."""
+    runner = ModelRunner(tiny, kv_budget_bytes=8 << 20)
+    assert runner.deterministic and runner.prefill_kernel
+    assert all(_properties_hold(runner, random.Random(11)))
