@@ -170,6 +170,8 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
                 if not _same_product(ours, theirs):
                     return False
         packed, plain = _summed_seconds(linear, lambda x: F.linear(x, weight), shape[1], dtype, generator)
+        log.info("oneDNN's prepacked %s weights %s: %.0f us vs %.0f us for F.linear over 1, 8 and 64 rows", dtype,
+                 "serve" if packed <= SLOWER * plain else "not used, clearly slower", packed * 1e6, plain * 1e6)
         return packed <= SLOWER * plain
     except RuntimeError:  # a torch built without the op, or a CPU it refuses
         return False
