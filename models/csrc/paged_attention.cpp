@@ -237,7 +237,9 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(static_cast<size_t>(group * kSplit)), parts;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t row = item / s.kv_heads, h = item % s.kv_heads, len = lens[row], n = splits_of(len);
+        // kv head-major: a thread's consecutive items share a head, so its keys stay in L2 across the
+        // rows of a prefill chunk (row-major items cycle through every head's keys)
+        const int64_t h = item / rows, row = item % rows, len = lens[row], n = splits_of(len);
         parts.resize(static_cast<size_t>(n * size));
         for (int64_t j = 0; j < n; ++j)
           split(query(row, h), k_cache, v_cache, pages(row), j * kSplit, std::min(len, (j + 1) * kSplit), s, h,
