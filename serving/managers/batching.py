@@ -69,6 +69,7 @@ class Req:
     sent_init: bool = False
     matcher: Any = None  # its grammar's state (an llguidance LLMatcher) when it is constrained
     held: Output | None = None  # tokens not sent yet (Limits.stream_interval)
+    alone: bool = False  # on probation: each step runs it in a model call of its own (GenerateReq.alone)
 
     @property
     def num_generated(self) -> int:
@@ -145,7 +146,7 @@ class BatchState:
         req = Req(
             msg.rid, msg.worker, tokens, len(tokens) - msg.num_prior_output, msg.num_prior_output,
             msg.sampling, to_model_sampling(msg.sampling), msg.stream, msg.return_logprob,
-            max(0, min(msg.top_logprobs_num, top_logprobs_cap)), replaces=msg.replaces,
+            max(0, min(msg.top_logprobs_num, top_logprobs_cap)), replaces=msg.replaces, alone=msg.alone,
         )
         if msg.rid in self.by_rid:  # the live one keeps running; this one is refused
             return self._end_now(req, FinishReason("abort", status_code=400,

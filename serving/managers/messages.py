@@ -155,6 +155,9 @@ class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     worker: int = 0  # the tokenizer worker that owns the request
     num_prior_output: int = 0  # resume: the last ids of input_ids that were generated
     replaces: str | None = None  # resume: the rid of the incarnation this one continues
+    # on probation (a suspect of crashing the scheduler): run in a model call of its own, so that a
+    # call that kills the process names it alone in the scheduler's step journal
+    alone: bool = False
 
 
 class GenerateReqId(msgspec.Struct, tag="GenerateReq", array_like=True, gc=False):

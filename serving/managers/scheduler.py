@@ -27,8 +27,9 @@ from models.errors import ModelLoadError
 from models.loading import load_model, load_tokenizer, tiny_model
 from models.runner import ModelRunner, StepOutput
 
-from .batching import BatchState, Limits, Output
+from .batching import Batch, BatchState, Limits, Output
 from .grammar import Grammars
+from .journal import StepJournal, journal_path
 from .messages import (
     AbortReq,
     AbortWhere,
@@ -157,6 +158,7 @@ class Scheduler(Actor):
         self._grammars_ready = trio.Event()
         self._awaiting_grammars: list[GenerateReq] = []  # constrained requests, until the tables are built
         self._aborted_waiting: set[str] = set()
+        self._journal: StepJournal | None = None  # which requests the step running now holds (journal.py)
         self.steps = 0
         self.started_at = time.time()
 
@@ -175,6 +177,11 @@ class Scheduler(Actor):
                                 vocab_size=int(runner.config.vocab_size))
         self.watchdog = StepWatchdog("scheduler step", self.config.step_timeout)
         await ctx.nursery.start(self.watchdog.run)
+        if (path := journal_path(ctx.address)) is not None:
+            try:
+                self._journal = StepJournal(path)
+            except OSError as exc:  # then every request in flight is blamed for a crash, as without one
+                log.warning("no step journal at %s: %s", path, exc)
         ctx.nursery.start_soon(self._loop)
 
     def _wait_for_grammars(self, msg: GenerateReq) -> None:
@@ -331,19 +338,41 @@ class Scheduler(Actor):
             for output in state.take_refused():  # requests that could not be laid out for the step
                 self._end(output)
             if not batch:
+                if self._journal is not None:
+                    self._journal.clear()
                 await self._flush([])
                 await self._wakeup.wait()
                 continue
             self._idle = trio.Event()
             with self.watchdog.step():
                 try:
-                    sampled = await trio.to_thread.run_sync(STEP_THREADS.run, self._step, batch,
-                                                            abandon_on_cancel=True)
+                    sampled = await self._run(batch)
                 except Exception as exc:  # noqa: BLE001 - find out whose fault it is
                     sampled = await self._isolate(batch, exc)
             self._idle.set()
             self.steps += 1
             await self._flush(state.postprocess(batch, sampled))
+
+    async def _run(self, batch: Batch) -> StepOutput:
+        """One step of ``batch``: one model call, and one more for each request on probation
+        (``alone``), so that a call that kills the process names it alone in the journal."""
+        if not any(req.alone for req in batch.reqs):
+            return await self._call(batch)
+        together = [i for i, req in enumerate(batch.reqs) if not req.alone]
+        parts = ([together] if together else []) + [[i] for i, req in enumerate(batch.reqs) if req.alone]
+        n = len(batch.seqs)
+        out = StepOutput([None] * n, [None] * n, [None] * n)
+        for part in parts:
+            got = await self._call(Batch([batch.reqs[i] for i in part], [batch.seqs[i] for i in part]))
+            for j, i in enumerate(part):
+                out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = \
+                    got.token_ids[j], got.logprobs[j], got.top_logprobs[j]
+        return out
+
+    async def _call(self, batch: Batch) -> StepOutput:
+        if self._journal is not None:  # before the call: if it kills the process, these were in it
+            self._journal.record(req.rid for req in batch.reqs)
+        return await trio.to_thread.run_sync(STEP_THREADS.run, self._step, batch, abandon_on_cancel=True)
 
     def _step(self, batch: Any) -> StepOutput:
         """One model step (in a worker thread), the grammars' next-token masks filled first."""
@@ -364,6 +393,8 @@ class Scheduler(Actor):
         out = StepOutput([None] * len(batch.seqs), [None] * len(batch.seqs), [None] * len(batch.seqs))
         failed: list[tuple[int, Exception]] = []
         for i, seq in enumerate(batch.seqs):
+            if self._journal is not None:  # alone: if it kills the process, it is the one blamed
+                self._journal.record([batch.reqs[i].rid])
             try:
                 one = await trio.to_thread.run_sync(STEP_THREADS.run, self.runner.step, [seq],
                                                     abandon_on_cancel=True)

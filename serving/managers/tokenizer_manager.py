@@ -26,16 +26,23 @@ aborted downstream.
 
 Resume and poison quarantine: after the scheduler or the detokenizer
 restarted, ``resubmit_in_flight`` sends every unfinished request again as
-a new incarnation. Each request counts the crashes it was in flight for.
-Once one has been in flight for ``quarantine_after`` crashes in a row, the
-cause may be a request itself (a poison request that crashes whatever runs
-it): the requests that made no progress (``PROGRESS_TOKENS``) since their
-last resume then resume *on probation*, one at a time, each waiting for the
-previous one to make progress, with new requests held back. A crash while a
-request is on trial is its own: it ends with an error (500) naming the
-crash and is never resumed again; the others carry on. (A crash from
-outside — a kill -9 — that lands while a request is on trial is blamed on
-it too: the price of never letting one request crash-loop the server.)
+a new incarnation. A crash of a scheduler (not an output stall, a detokenizer
+restart or a replica lost: ``blames``) counts against the requests that were
+in the step that died, as the scheduler's step journal says (``journal.py``;
+every request in flight where there is none). Once one was blamed for
+``quarantine_after`` crashes in a row without progress (``PROGRESS_TOKENS``)
+since its last resume, the cause may be the request itself (a poison request
+that crashes whatever runs it): such requests resume *on probation*, in
+groups of ``PROBATION_GROUP``, each group waiting for the previous one to
+make progress or for its ``trial_timeout``; new requests wait meanwhile, at
+most ``hold_timeout`` (``server.request_wait``). Requests on trial run in a
+model call of their own each (``GenerateReq.alone``), so the journal of a call
+that kills the process names one of them: the culprit. It ends with an error
+(500) naming the crash and is never resumed again; the others carry on.
+Without a journal, a group on trial that dies is halved, each half tried on
+its own, down to one. (A crash from outside — a kill -9 —
+that lands while a request on trial is in the step is blamed on it too: the
+price of never letting one request crash-loop the server.)
 
 Data-parallel replicas (``scheduler.replicas``): each replica is a scheduler
 and its own detokenizer; a ``Router`` picks the replica of each new request.
@@ -63,6 +70,7 @@ import trio
 from actors import Actor, CallError, Context, SoftWatchdog, WatchdogTimeout
 
 from .inputs import DuplicateRequestError, Expander, GenerateInput, InvalidRequest, RequestLimits, SubRequest
+from .journal import journal_path, read_step
 from .messages import (
     AbortReq,
     AbortWhere,
@@ -87,6 +95,7 @@ log = logging.getLogger(__name__)
 # A request on probation is cleared once it has produced this many tokens (or ended): a
 # request that kills the scheduler at some position does so again within a few tokens of it.
 PROGRESS_TOKENS = 8
+PROBATION_GROUP = 4  # suspects tried together; a group that crashes the server is halved, down to one
 REMOTE_PROBE_S = 0.5  # how often a remote replica is asked how it is
 
 
@@ -176,7 +185,9 @@ class TokenizerManager(Actor):
     def __init__(self, tokenizer: Any, *, scheduler: str | Sequence[str],
                  detokenizer: str | Sequence[str] | None = None, worker: int = 0,
                  watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
-                 quarantine_after: int = 2, request_timeout: float | None = None, router: Router | None = None,
+                 quarantine_after: int = 2, trial_timeout: float = 60.0, hold_timeout: float = 60.0,
+                 journals: Sequence[str | None] | None = None,
+                 request_timeout: float | None = None, router: Router | None = None,
                  remote: Collection[int] = (), remote_timeout: float | None = None,
                  serving: Collection[int] | None = None,
                  on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
@@ -219,9 +230,13 @@ class TokenizerManager(Actor):
         self._expander: Expander | None = None  # built once the context window is known
         self._wire = WireCheck()
         self._asking = trio.Lock()
-        self._suspects: deque[ReqState] = deque()  # waiting for their trial, one at a time
-        self._on_trial: ReqState | None = None
-        self._trial: trio.CancelScope | None = None  # the wait for the request on trial to progress
+        self._suspects: deque[list[ReqState]] = deque()  # groups waiting for their trial, one group at a time
+        self._on_trial: list[ReqState] = []
+        self._trial: trio.CancelScope | None = None  # the wait for the group on trial to progress
+        self.trial_timeout = trial_timeout
+        self.hold_timeout = hold_timeout
+        # where each replica's scheduler journals its steps (None: it does not; see journal.py)
+        self.journals = list(journals) if journals is not None else [journal_path(a) for a in self.schedulers]
         self._no_probation = trio.Event()
         self._no_probation.set()
         # replicas started elsewhere (``process: remote``): one that answers nothing for ``remote_timeout``
@@ -412,12 +427,14 @@ class TokenizerManager(Actor):
         for state in states:
             self.rid_to_state[state.rid] = state
             self._by_wire_rid[state.wire_rid] = state
+        held_until = trio.current_time() + self.hold_timeout
         try:
             for state in states:
                 if admission is not None and admission.ended is not None:
                     state.end(admission.ended)  # aborted on its way in: never sent
                     continue
-                await self._no_probation.wait()  # while requests are on probation, new ones wait
+                with trio.move_on_at(held_until):  # while requests are on probation, new ones wait (so long)
+                    await self._no_probation.wait()
                 if state.finished is None and not state.submitted:  # (a resume may have sent it)
                     await self._submit(state)
             unfinished = len(states)
@@ -440,9 +457,9 @@ class TokenizerManager(Actor):
                 del self.rid_to_state[state.rid]
                 del self._by_wire_rid[state.wire_rid]
 
-    async def _submit(self, state: ReqState, *, resume: bool = False) -> None:
+    async def _submit(self, state: ReqState, *, resume: bool = False, alone: bool = False) -> None:
         """Send ``state`` to a replica that is up (waiting for one while none is); a resume continues
-        from the ids received so far, as a new incarnation."""
+        from the ids received so far, as a new incarnation (``alone``: on probation)."""
         while not any(self.up) and not self._failed:
             await self._any_up.wait()
         if state.finished is not None or self._failed:  # ended while it waited
@@ -470,7 +487,7 @@ class TokenizerManager(Actor):
         state.submitted = True
         state.heard_at = trio.current_time()
         state.since_submit, state.progressed = 0, trio.Event()
-        request = self._request(state, resume=resume, replaces=replaces)
+        request = self._request(state, resume=resume, replaces=replaces, alone=alone)
         if (problem := self._wire.problem(request)) is not None:  # (a resume's: the first was checked)
             log.error("request %s cannot be sent: %s", state.rid, problem)
             self._unassign(state)
@@ -478,12 +495,13 @@ class TokenizerManager(Actor):
             return
         await self.ctx.send(self.schedulers[replica], request)
 
-    def _request(self, state: ReqState, *, resume: bool = False, replaces: str | None = None) -> GenerateReq:
+    def _request(self, state: ReqState, *, resume: bool = False, replaces: str | None = None,
+                 alone: bool = False) -> GenerateReq:
         """The message that sends ``state`` (as a resume: from the ids received so far)."""
         tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
         return GenerateReq(
             state.wire_rid, np.asarray(tokens, dtype=np.int32), state.sampling, state.stream, state.return_logprob,
-            state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces,
+            state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces, alone,
         )
 
     def _unassign(self, state: ReqState) -> None:
@@ -559,56 +577,87 @@ class TokenizerManager(Actor):
         self._any_up.set()
 
     async def _resume(self, crash: str, lost: Callable[[int], bool]) -> int:
-        """Resume the requests running on the replicas that ``lost`` says lost them."""
+        """Resume the requests running on the replicas that ``lost`` says lost them; count the
+        crash against those that ran in the step that died (``_blamed``)."""
         in_flight = [s for s in self.rid_to_state.values()
                      if s.finished is None and s.replica is not None and lost(s.replica)]
+        blamed = self._blamed(crash, in_flight)
         for state in in_flight:
             self._unassign(state)
-        culprit = self._on_trial
-        if culprit is not None and culprit in in_flight:  # it crashed what ran it, on trial
-            culprit.crashes += 1
-            in_flight.remove(culprit)
-            self._quarantine(culprit, crash)
-        else:
-            for state in in_flight:
-                state.crashes += 1
-        suspects = [s for s in in_flight if s.crashes >= self.quarantine_after and not s.progressed.is_set()]
-        for state in in_flight:  # those that made progress since their last submission go on at once
-            if state not in suspects:
-                await self._submit(state, resume=True)
+        for state in blamed:
+            state.crashes += 1
+        tried = [s for s in self._on_trial if s in blamed]
+        if tried:  # the group on trial was in the step that died: it crashed what ran it
+            in_flight = [s for s in in_flight if s not in set(tried)]
+            if len(tried) == 1:
+                self._quarantine(tried[0], crash)
+            else:  # one of them: each half gets a trial of its own, first
+                half = len(tried) // 2
+                self._suspects.extendleft([tried[half:], tried[:half]])
+            if self._trial is not None:
+                self._trial.cancel()  # the next trial begins
+        resuming = set(in_flight)
+        suspects = [s for s in blamed if s in resuming and s.crashes >= self.quarantine_after
+                    and not s.progressed.is_set()]
+        held, trial = set(suspects), set(self._on_trial)
+        for state in in_flight:  # the others go on at once (those on trial still alone)
+            if state not in held:
+                await self._submit(state, resume=True, alone=state in trial)
         if suspects:
-            log.warning("%d requests were in flight for %d crashes in a row: resuming them one at a time",
-                        len(suspects), self.quarantine_after)
-            self._suspects.extend(suspects)
-            if self._no_probation.is_set():
-                self._no_probation = trio.Event()
-                self.ctx.nursery.start_soon(self._run_probation)
-        self.resumed += len(in_flight)
-        if in_flight:
-            log.warning("resumed %d requests in flight", len(in_flight))
-        return len(in_flight)
+            log.warning("%d requests were in the step that died for %d crashes in a row: resuming them on "
+                        "probation, %d at a time", len(suspects), self.quarantine_after, PROBATION_GROUP)
+            self._suspects.extend(suspects[i:i + PROBATION_GROUP] for i in range(0, len(suspects), PROBATION_GROUP))
+        if self._suspects and self._no_probation.is_set():
+            self._no_probation = trio.Event()
+            self.ctx.nursery.start_soon(self._run_probation)
+        self.resumed += len(in_flight) + len(tried)
+        if in_flight or tried:
+            log.warning("resumed %d requests in flight", len(in_flight) + len(tried))
+        return len(in_flight) + len(tried)
+
+    def _blamed(self, crash: str, in_flight: list[ReqState]) -> list[ReqState]:
+        """Those of ``in_flight`` (still assigned to their replica) that can have caused ``crash``: none
+        unless it can be a request's fault (``blames``); else those in the step that died, as the
+        replica's step journal says, or all of them where there is no journal."""
+        if not blames(crash):
+            return []
+        steps: dict[int, set[str] | None] = {}
+        blamed = []
+        for state in in_flight:
+            replica = state.replica
+            if replica not in steps:
+                steps[replica] = read_step(self.journals[replica])
+            step = steps[replica]
+            if step is None or state.wire_rid in step:
+                blamed.append(state)
+        return blamed
 
     async def _run_probation(self) -> None:
-        """One suspect at a time, each until it made progress (or ended), new requests held back."""
+        """A group of suspects at a time, each until every one made progress (or ended) or its
+        ``trial_timeout`` passed; new requests wait meanwhile (at most ``hold_timeout``)."""
         while self._suspects:
-            state = self._suspects.popleft()
-            if state.finished is not None:
+            group = [s for s in self._suspects.popleft() if s.finished is None]
+            if not group:
                 continue
-            self._on_trial = state
-            await self._submit(state, resume=True)
-            with trio.CancelScope() as self._trial:
-                await state.progressed.wait()
-            self._on_trial = self._trial = None
+            self._on_trial = group
+            with trio.move_on_after(self.trial_timeout) as deadline:
+                with trio.CancelScope() as self._trial:
+                    for state in group:  # each in a model call of its own: a crash there names it
+                        await self._submit(state, resume=True, alone=True)
+                    for state in group:
+                        await state.progressed.wait()
+            if deadline.cancelled_caught:  # it crashed nothing meanwhile: it goes on as any request
+                log.warning("%d requests on probation made no progress in %g s; their trial ends",
+                            len(group), self.trial_timeout)
+            self._on_trial, self._trial = [], None
         self._no_probation.set()
 
     def _quarantine(self, state: ReqState, crash: str) -> None:
         self.quarantined += 1
         log.error("request %s crashed the server on probation (%s); it is not resumed again", state.rid, crash)
         state.end(FinishReason("abort", status_code=500, message=(
-            f"this request was in flight for {state.crashes} crashes in a row and crashed the server when it "
-            f"ran alone ({crash}); it is not resumed again")))
-        if self._trial is not None:
-            self._trial.cancel()  # the next suspect's trial begins
+            f"this request was in the step that died for {state.crashes} crashes in a row and crashed the server "
+            f"when it was tried alone ({crash}); it is not resumed again")))
 
     def fail_all(self, message: str, status_code: int = 503) -> int:
         """End every request in flight with an error (the runtime gave up)."""
@@ -652,6 +701,15 @@ class TokenizerManager(Actor):
                 if up:
                     nursery.start_soon(ask, i)
         return answers
+
+
+def blames(crash: str) -> bool:
+    """Whether ``crash``, as the runtime words it, can be a request's fault: a scheduler that crashed
+    (``the scheduler crashed: ...``, ``the scheduler-1 crashed: ...``), not one killed because outputs
+    stalled (an idle scheduler stalls too, when a message was lost or the detokenizer is slow), nor a
+    detokenizer restart, nor a replica that left, stopped answering or restarted elsewhere."""
+    stalled = "tokenizer manager receive" in crash or "OutputStalled" in crash
+    return crash.startswith("the scheduler") and not stalled
 
 
 def fold(chunks: Sequence[Chunk]) -> dict[str, Any]:

@@ -105,7 +105,8 @@ class SupervisionSection(msgspec.Struct, forbid_unknown_fields=True):
     backoff_initial: float = 0.0
     backoff_max: float = 5.0
     shutdown_grace: float = 10.0
-    quarantine_after: int = 2  # crashes in flight in a row before requests resume on probation
+    quarantine_after: int = 2  # crashes in the step that died, in a row, before a request resumes on probation
+    trial_timeout: float = 60.0  # the longest one group on probation is tried (then it goes on as any request)
     # a replica's scheduler and detokenizer start at once (they need nothing of each other to
     # start; ~5 s less to ready on 2 cores), or one after the other (in_order, OTP's way)
     start: Literal["together", "in_order"] = "together"
@@ -187,6 +188,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (1 <= self.router.max_blocks <= 2**24, "router.max_blocks", "must be in 1..16777216"),
             (self.supervision.max_restarts >= 0, "supervision.max_restarts", "must be >= 0"),
             (self.supervision.quarantine_after >= 1, "supervision.quarantine_after", "must be >= 1"),
+            (self.supervision.trial_timeout > 0, "supervision.trial_timeout", "must be > 0"),
             (1 <= self.server.max_batch_size <= 65536, "server.max_batch_size", "must be in 1..65536"),
             (1 <= self.server.max_samples <= 65536, "server.max_samples", "must be in 1..65536"),
             (0 <= self.server.max_stop_strings <= 1024, "server.max_stop_strings", "must be in 0..1024"),
@@ -460,5 +462,6 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
                             remote_timeout=topology.watchdogs.remote_timeout, serving=serving, on_remote=on_remote,
                             watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
                             quarantine_after=topology.supervision.quarantine_after,
+                            trial_timeout=topology.supervision.trial_timeout, hold_timeout=server.request_wait,
                             request_timeout=server.request_timeout,
                             on_stall=on_stall, on_status=on_status)

@@ -101,3 +101,123 @@ async def test_duplicate_rids_in_one_request_are_refused(nursery, tokenizer):
     with pytest.raises(DuplicateRequestError, match=r"rid: duplicate request id\(s\) \['same'\]"):
         async for _ in tm.generate(obj):
             pass
+
+
+# -- probation (issue 29, N3) ------------------------------------------------------------
+
+CRASH = "the scheduler crashed: ChildExited('process scheduler was killed by SIGKILL')"
+
+
+def prober(nursery, tokenizer, tmp_path, **kwargs):
+    """A tokenizer manager whose scheduler journals its steps at ``tm.journal``."""
+    from serving.managers.journal import StepJournal
+
+    path = str(tmp_path / "scheduler.step")
+    tm = TokenizerManager(tokenizer, scheduler="ipc:///nowhere", journals=[path], **kwargs)
+    tm.ctx = RecordingContext(nursery)
+    tm.journal = StepJournal(path)
+    return tm
+
+
+async def start(nursery, tm, count, prefix="r"):
+    """``count`` single requests in flight; their ReqStates."""
+    for i in range(count):
+        obj = GenerateInput(input_ids=[5, 6], rid=f"{prefix}{i}", sampling_params=SamplingParams(max_new_tokens=50))
+        nursery.start_soon(drain, tm.generate(obj), [])
+    await trio.testing.wait_all_tasks_blocked()
+    return [tm.rid_to_state[f"{prefix}{i}"] for i in range(count)]
+
+
+def progress(tm, state, tokens=8):
+    from serving.managers.messages import BatchStrOut
+
+    tm._handle_batch_output(BatchStrOut([state.wire_rid], ["x" * tokens], [[1] * tokens], [None], [2], [tokens], [0]))
+
+
+async def crash(tm, step, cause=CRASH):
+    """The scheduler died in a step holding ``step`` (their current incarnations); resume."""
+    tm.journal.record(s.wire_rid for s in step)
+    await tm.resubmit_in_flight(cause)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_a_crash_counts_only_against_the_requests_in_the_step_that_died(nursery, tokenizer, tmp_path):
+    tm = prober(nursery, tokenizer, tmp_path)
+    states = await start(nursery, tm, 8)
+    running, queued = states[:2], states[2:]
+    for _ in range(2):
+        await crash(tm, running)
+    assert [s.crashes for s in running] == [2, 2] and {s.crashes for s in queued} == {0}
+    assert set(tm._on_trial) == set(running) and not tm._no_probation.is_set()  # one group: the two that ran
+    assert all(s.replica is not None for s in queued)  # the queued ones resumed at once
+
+
+@pytest.mark.parametrize("cause", [
+    "the detokenizer crashed: ChildExited('process detokenizer exited with status 1')",
+    "the scheduler crashed: WatchdogTimeout('tokenizer manager receive', 300.0)",  # outputs stalled
+    "the scheduler crashed: OutputStalled('tokenizer worker 1: no output for 300 s')",
+    "replica 0 does not answer in 10 s: no reply",
+    "replica 0 restarted",
+])
+async def test_losses_that_are_not_a_crash_of_a_step_blame_nobody(nursery, tokenizer, tmp_path, cause):
+    tm = prober(nursery, tokenizer, tmp_path)
+    states = await start(nursery, tm, 3)
+    for _ in range(3):
+        await crash(tm, states, cause)
+    assert {s.crashes for s in states} == {0} and tm._no_probation.is_set() and not tm._suspects
+
+
+async def test_without_a_journal_every_request_in_flight_is_blamed(nursery, tokenizer):
+    tm = manager(tokenizer, RecordingContext(nursery))
+    assert tm.journals == [None]  # inproc: no journal
+    obj = GenerateInput(input_ids=[[5], [6]], sampling_params=SamplingParams(max_new_tokens=5))
+    nursery.start_soon(drain, tm.generate(obj), [])
+    await trio.testing.wait_all_tasks_blocked()
+    await tm.resubmit_in_flight(CRASH)
+    assert [s.crashes for s in tm.rid_to_state.values()] == [1, 1]
+
+
+async def test_suspects_are_tried_in_groups_halved_down_to_the_culprit(nursery, tokenizer, tmp_path, autojump_clock):
+    tm = prober(nursery, tokenizer, tmp_path)
+    states = await start(nursery, tm, 10)
+    for _ in range(2):
+        await crash(tm, states)
+    group = list(tm._on_trial)
+    assert len(group) == 4 and [len(g) for g in tm._suspects] == [4, 2]
+    poison = group[2]
+    await crash(tm, group)  # the group of four dies together: halves, each tried first
+    assert tm._on_trial == group[:2] and [len(g) for g in tm._suspects] == [2, 4, 2]
+    for state in group[:2]:  # the first half makes progress: cleared
+        progress(tm, state)
+    await trio.testing.wait_all_tasks_blocked()
+    assert tm._on_trial == group[2:]
+    await crash(tm, group[2:])
+    assert tm._on_trial == [poison]
+    await crash(tm, [poison])  # alone in the step that died: the culprit
+    assert poison.finished.status_code == 500 and "not resumed again" in poison.finished.message
+    assert tm._on_trial == [group[3]] and tm.quarantined == 1
+    while tm._on_trial:  # the rest make progress, group by group
+        for state in list(tm._on_trial):
+            progress(tm, state)
+        await trio.testing.wait_all_tasks_blocked()
+    assert tm._no_probation.is_set() and not tm._suspects
+    assert [s.finished for s in states if s is not poison] == [None] * 9
+
+
+async def test_a_trial_ends_at_its_deadline_and_new_requests_wait_at_most_the_hold(nursery, tokenizer, tmp_path,
+                                                                                  autojump_clock):
+    tm = prober(nursery, tokenizer, tmp_path, trial_timeout=30.0, hold_timeout=5.0)
+    lost = await start(nursery, tm, 2)
+    for _ in range(2):
+        await crash(tm, lost)
+    assert set(tm._on_trial) == set(lost)
+    sent = len(tm.ctx.sent)
+    await start(nursery, tm, 1, prefix="new")  # held while the lost ones (no output ever) are on trial
+    assert len(tm.ctx.sent) == sent
+    await trio.sleep(4.9)
+    assert len(tm.ctx.sent) == sent
+    await trio.sleep(0.2)  # the hold (server.request_wait) is over: it goes, probation or not
+    assert tm.ctx.sent[-1].rid.startswith("new0#") and not tm._no_probation.is_set()
+    await trio.sleep(25.0)  # past the trial's deadline: it ends, the requests go on (nothing ends them)
+    assert tm._no_probation.is_set() and not tm._on_trial
+    assert [s.finished for s in lost] == [None, None]

@@ -1,0 +1,103 @@
+"""The scheduler's model calls, with a fake runner and a fake batch state: a failing step re-run
+request by request (``_isolate``), requests on probation each in a call of their own (``_run``),
+and the step journal that names who was in the call that died."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from models.runner import StepOutput
+from serving.managers.batching import Batch
+from serving.managers.journal import StepJournal, journal_path, read_step
+from serving.managers.scheduler import Scheduler, SchedulerConfig
+
+
+class FakeRunner:
+    """Each sequence's next token is its own number; a call with a guilty sequence raises."""
+
+    def __init__(self, guilty=()):
+        self.guilty = set(guilty)
+        self.calls = []
+
+    def step(self, seqs):
+        self.calls.append([s.n for s in seqs])
+        if bad := [s.n for s in seqs if s.n in self.guilty]:
+            raise RuntimeError(f"CUDA error: an illegal memory access (sequence {bad[0]})")
+        return StepOutput([s.n for s in seqs], [-0.5] * len(seqs), [[]] * len(seqs))
+
+
+class FakeState:
+    def __init__(self):
+        self.aborted = {}
+
+    def abort(self, rid, reason):
+        self.aborted[rid] = reason
+        return SimpleNamespace(rid=rid, reason=reason)
+
+    def constrained(self, batch):
+        return []
+
+
+def scheduler(runner, tmp_path=None):
+    s = Scheduler(SchedulerConfig(model="tiny"), runner=runner)
+    s.state = FakeState()
+    if tmp_path is not None:
+        s._journal = StepJournal(str(tmp_path / "scheduler.step"))
+    return s
+
+
+def batch(count, alone=()):
+    reqs = [SimpleNamespace(rid=f"r{i}#0.0", alone=i in alone) for i in range(count)]
+    return Batch(reqs, [SimpleNamespace(n=i) for i in range(count)])
+
+
+async def test_a_failing_step_is_rerun_request_by_request_and_only_the_guilty_end(tmp_path):
+    runner = FakeRunner(guilty={1, 4})
+    s = scheduler(runner, tmp_path)
+    b = batch(6)
+    out = await s._isolate(b, RuntimeError("the step failed"))
+    assert runner.calls == [[i] for i in range(6)]  # each alone, in order
+    assert out.token_ids == [0, None, 2, 3, None, 5] and out.logprobs == [-0.5, None, -0.5, -0.5, None, -0.5]
+    assert set(s.state.aborted) == {"r1#0.0", "r4#0.0"}
+    for rid, reason in s.state.aborted.items():
+        assert reason.type == "abort" and reason.status_code == 500
+        assert "the model failed on this request" in reason.message and "illegal memory access" in reason.message
+    assert [o.rid for o in s._pending] == ["r1#0.0", "r4#0.0"]  # their ends go out with the next batch
+    assert read_step(str(tmp_path / "scheduler.step")) == {"r5#0.0"}  # each alone call was journaled
+
+
+async def test_a_step_that_fails_for_every_request_alone_is_nobodys_fault():
+    s = scheduler(FakeRunner(guilty={0, 1, 2}))
+    error = RuntimeError("the step failed")
+    with pytest.raises(RuntimeError) as raised:
+        await s._isolate(batch(3), error)
+    assert raised.value is error and s.state.aborted == {}  # the scheduler restarts; every request resumes
+
+
+async def test_requests_on_probation_run_in_a_call_of_their_own(tmp_path):
+    runner = FakeRunner()
+    s = scheduler(runner, tmp_path)
+    out = await s._run(batch(5, alone={1, 3}))
+    assert runner.calls == [[0, 2, 4], [1], [3]]
+    assert out.token_ids == [0, 1, 2, 3, 4]
+    assert read_step(str(tmp_path / "scheduler.step")) == {"r3#0.0"}
+    assert await s._run(batch(2)) and runner.calls[-1] == [0, 1]  # none alone: one call
+    assert read_step(str(tmp_path / "scheduler.step")) == {"r0#0.0", "r1#0.0"}
+
+
+def test_the_journal_keeps_the_last_step_until_the_next_and_a_restart_leaves_it(tmp_path):
+    path = str(tmp_path / "scheduler.step")
+    assert read_step(path) is None and read_step(None) is None
+    journal = StepJournal(path)
+    journal.record(["a#0.0", "b#0.0", "c#0.0"])
+    journal.record(["d#0.1"])  # shorter: the rest of the old record is ignored
+    assert read_step(path) == {"d#0.1"}
+    journal.close()
+    again = StepJournal(path)  # a restarted scheduler: what its predecessor died in stays
+    again.clear()
+    assert read_step(path) == {"d#0.1"}
+    again.record(["e#0.0"])
+    again.clear()
+    assert read_step(path) == set()
+    assert journal_path("ipc:///run/tercet-x/scheduler") == "/run/tercet-x/scheduler.step"
+    assert journal_path("inproc://scheduler") is None and journal_path("tcp://10.0.0.2:5000") is None
