@@ -46,6 +46,8 @@ SEED = int(os.environ.get("TERCET_FUZZ_SEED", "0"))
 GENERATION_EXAMPLES = int(os.environ.get("TERCET_FUZZ_EXAMPLES", "60"))
 EXAMPLES = dict.fromkeys(["/generate", "/v1/completions", "/v1/chat/completions"], GENERATION_EXAMPLES)
 OTHERS = 8
+# The share of the steered (well-formed) requests to each generation route that must get 200.
+WELL_FORMED_FLOOR = 0.6  # seed 0 gives 0.77-0.91
 # A pause would hold every later request for server.request_wait (then 503): not fuzzed.
 SKIPPED = {"/pause_generation"}
 # A fuzz example must not decode for seconds: generation lengths and samples are capped
@@ -144,11 +146,14 @@ class Tally:
     dropped: list = field(default_factory=list)
     failures: list = field(default_factory=list)
     reasons: Counter = field(default_factory=Counter)  # 4xx by (mode and path, status, message without values)
+    well_formed: Counter = field(default_factory=Counter)  # steered cases sent, by generation route
+    well_formed_ok: Counter = field(default_factory=Counter)  # ... and those answered 200
 
     def figures(self) -> str:
+        served = ", ".join(f"{path} {self.well_formed_ok[path]}/{n}" for path, n in sorted(self.well_formed.items()))
         return (f"{self.cases} cases, {self.ok} 2xx, {self.client_errors} 4xx, {len(self.server_errors)} 5xx, "
                 f"{len(self.dropped)} dropped connections, {len(self.failures)} failed checks; "
-                f"{self.waited:.1f} s waiting for answers")
+                f"well-formed requests answered 200: {served}; {self.waited:.1f} s waiting for answers")
 
 
 def has_error_body(response: requests.Response) -> bool:
@@ -176,14 +181,17 @@ def fuzz(url: str, document: dict, vocab: int) -> Tally:
                 strategy = operation.as_strategy(generation_mode=mode)
                 if mode.is_positive:  # 3 in 4 valid cases steered to pass the server's own checks
                     strategy = st.tuples(strategy, st.sampled_from([True, True, True, False])).map(
-                        lambda pair: steered(pair[0], vocab) if pair[1] else pair[0])
-                strategy = strategy.map(capped)
+                        lambda pair: (steered(pair[0], vocab), True) if pair[1] else (pair[0], False))
+                else:
+                    strategy = strategy.map(lambda case: (case, False))
+                strategy = strategy.map(lambda pair: (capped(pair[0]), pair[1]))
 
                 @seed(SEED)
                 @settings(max_examples=EXAMPLES.get(operation.path, OTHERS), deadline=None, database=None,
                           phases=[Phase.generate], suppress_health_check=list(HealthCheck))
                 @given(strategy)
-                def send(case):
+                def send(pair):
+                    case, well_formed = pair
                     tally.cases += 1
                     where = f"{case.method} {case.path} {case.body!r:.300}"
                     start = time.monotonic()
@@ -196,6 +204,9 @@ def fuzz(url: str, document: dict, vocab: int) -> Tally:
                         tally.waited += time.monotonic() - start
                     status = response.status_code
                     tally.ok += status < 400
+                    if well_formed and case.path in EXAMPLES:
+                        tally.well_formed[case.path] += 1
+                        tally.well_formed_ok[case.path] += status == 200
                     if status >= 500:
                         tally.server_errors.append(f"{where} -> {status} {response.text[:300]}")
                     elif status >= 400:
@@ -280,6 +291,10 @@ async def test_fuzzed_requests_get_documented_answers_and_harm_nothing(nursery):
         assert not tally.dropped, "\n".join(tally.dropped[:10])
         assert not tally.failures, "\n\n".join(tally.failures[:5])
         assert tally.cases > 300 and tally.client_errors > 0, tally.figures()
+        # a floor: most well-formed generation requests are served (a server refusing all would pass the rest)
+        for path in EXAMPLES:
+            sent, served = tally.well_formed[path], tally.well_formed_ok[path]
+            assert sent >= 20 and served >= WELL_FORMED_FLOOR * sent, (path, tally.figures())
         assert (await client.get("/health")).status_code == 200
         assert (await client.post("/generate", json=GREEDY)).json()["text"] in before
         assert app.state.server.runtime.status.restarts == {"scheduler": 0, "detokenizer": 0, "tokenizer": 0}
