@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +76,15 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--served-model-name")
     serve_p.add_argument("--host")
     serve_p.add_argument("--port", type=int)
-    serve_p.add_argument("--api-key", help="every route but /health needs 'Authorization: Bearer KEY'")
+    serve_p.add_argument("--api-key", help="every route but /health needs 'Authorization: Bearer KEY' (every "
+                         "local user reads a command line: prefer --api-key-file or TERCET_API_KEY)")
+    serve_p.add_argument("--api-key-file", help="read the API key from this file (e.g. a mounted Secret); "
+                         "or set TERCET_API_KEY")
     serve_p.add_argument("--admin-api-key", help="the admin routes need this key instead (pause, continue, "
-                         "flush, abort, update weights, server info)")
+                         "flush, abort, update weights, server info); prefer --admin-api-key-file or "
+                         "TERCET_ADMIN_API_KEY")
+    serve_p.add_argument("--admin-api-key-file", help="read the admin API key from this file; or set "
+                         "TERCET_ADMIN_API_KEY")
     serve_p.add_argument("--max-request-bytes", help="a larger request body gets 413 (default 32MiB)")
     serve_p.add_argument("--weights-root", action="append",
                          help="a directory /update_weights_from_disk may load from (besides the model's own); repeatable")
@@ -115,13 +122,52 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def topology_from(args: argparse.Namespace) -> Topology:
+# the keys' other sources, besides the flags: a file (a mounted Secret), then the environment
+KEY_SOURCES = {"api_key": ("api_key_file", "TERCET_API_KEY"),
+               "admin_api_key": ("admin_api_key_file", "TERCET_ADMIN_API_KEY")}
+
+
+def topology_from(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Topology:
     overrides: dict[str, Any] = {}
     for flag, dotted in OVERRIDES.items():
         value = getattr(args, flag, None)
         if value is not None:
             overrides[dotted] = value
+    overrides.update(api_keys(args, environ))
     return load_topology(args.config, overrides)
+
+
+def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """``server.api_key`` / ``admin_api_key`` from ``--*-file`` or ``TERCET_*API_KEY``, where no other
+    local user can read them (a command line is world-readable in /proc); the flag itself wins."""
+    found = {}
+    for key, (file_flag, variable) in KEY_SOURCES.items():
+        path = getattr(args, file_flag, None)
+        if getattr(args, key, None) is not None:
+            if path is not None:
+                raise TopologyError(f"--{key.replace('_', '-')} and --{file_flag.replace('_', '-')}: give one")
+            log.warning("--%s on the command line is readable by every local user; use --%s or %s",
+                        key.replace("_", "-"), file_flag.replace("_", "-"), variable)
+        elif path is not None:
+            found[f"server.{key}"] = _read_key(path, f"--{file_flag.replace('_', '-')}")
+        elif environ.get(variable):
+            found[f"server.{key}"] = _check_key(environ[variable], variable)
+    return found
+
+
+def _read_key(path: str, source: str) -> str:
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError(f"{source}: cannot read {path}: {exc.strerror if isinstance(exc, OSError) else exc}") \
+            from None
+    return _check_key(text.strip("\r\n"), f"{source} {path}")  # (a file usually ends with a newline)
+
+
+def _check_key(key: str, source: str) -> str:
+    if not key or not key.isprintable() or key != key.strip():
+        raise TopologyError(f"{source}: the key is empty, or has spaces at its ends or unprintable characters")
+    return key
 
 
 async def _until_signal_or(failed: trio.Event, failure_grace: float) -> None:
