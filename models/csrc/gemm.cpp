@@ -76,6 +76,9 @@ constexpr int kChains = 8;  // accumulator chains of the direct code paths (rows
 // grouped by kRows, interleaved [k][kRows], on AVX2 (one stream for the broadcasts; in place
 // measured 15-25 % slower at 8-32 rows). Row r's input i at xr[r][i * kStep].
 constexpr bool kInPlace = vec::kLanes == 16;
+// Each panel's weights are prefetched this many k ahead (a line per k): at 8 rows, where W streams
+// from memory, 1.4-1.7x (AVX-512) and 1.15-1.25x (AVX2) the hardware prefetcher alone.
+constexpr int64_t kPrefetch = 64;
 constexpr int64_t kStep = kInPlace ? 1 : kRows;
 
 // The R x V accumulators of a block to R rows of y (stride ldc), cols of them, + bias.
@@ -194,6 +197,9 @@ void block(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
     vec::vf b[V];
 #pragma GCC unroll 32
     for (int v = 0; v < V; ++v) b[v] = vec::load(panel + (v / kVecs) * k * kPanel + i * kPanel + (v % kVecs) * vec::kLanes);
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+      _mm_prefetch(reinterpret_cast<const char*>(panel + p * k * kPanel + (i + kPrefetch) * kPanel), _MM_HINT_T0);
 #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
       const vec::vf a = vec::set1(xr[r][i * kStep]);

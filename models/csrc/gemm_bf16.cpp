@@ -48,6 +48,9 @@ constexpr int64_t kPanel = 16;      // output columns per panel
 constexpr int kRows = 8;            // rows per register block
 constexpr int kPanels = 3;          // panels per register block: 8 x 3 zmm accumulators of the 32
 constexpr int64_t kBlockRows = 96;  // rows whose inputs stay in L2 while the panels pass (a multiple of kRows)
+// Each panel's weights are prefetched this many k pairs ahead (a line per pair): at 8 rows, where W
+// streams from memory, 1.3-1.5x the hardware prefetcher alone (24 and 96 measured between)
+constexpr int64_t kPrefetch = 48;
 
 at::Tensor pack_bf16_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
@@ -83,7 +86,10 @@ void block(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh b[P];
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) b[p] = (__m512bh)_mm512_loadu_si512(panel + (p * pairs + i) * 2 * kPanel);
+    for (int p = 0; p < P; ++p) {
+      b[p] = (__m512bh)_mm512_loadu_si512(panel + (p * pairs + i) * 2 * kPanel);
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (p * pairs + i + kPrefetch) * 2 * kPanel), _MM_HINT_T0);
+    }
 #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][i]));
