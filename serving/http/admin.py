@@ -48,6 +48,12 @@ async def health(request: Request, state: ServerState) -> Response:
     return PlainTextResponse("OK")
 
 
+async def livez(request: Request, state: ServerState) -> Response:
+    """Liveness (Kubernetes' ``livenessProbe``): this process's event loop answers. Nothing about the
+    scheduler or the replicas, which restarting this process would not bring back (that is /health)."""
+    return PlainTextResponse("OK")
+
+
 async def health_generate(request: Request, state: ServerState) -> Response:
     problem = await state.health_problem()
     if problem is not None:

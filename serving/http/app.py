@@ -2,7 +2,7 @@
 
 Routes: SGLang's native ``/generate``; OpenAI's ``/v1/completions``,
 ``/v1/chat/completions`` and ``/v1/models``; and ``/health``,
-``/health_generate``, ``/metrics``, ``/server_info``, ``/abort_request``,
+``/livez``, ``/health_generate``, ``/metrics``, ``/server_info``, ``/abort_request``,
 ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/update_weights_from_disk``.
 
@@ -38,6 +38,7 @@ from .admin import (
     flush_cache,
     health,
     health_generate,
+    livez,
     metrics,
     models,
     pause_generation,
@@ -79,6 +80,7 @@ ROUTES = [
     ("/v1/models", models, ["GET"]),
     ("/health", health, ["GET"]),
     ("/health_generate", health_generate, ["GET"]),
+    ("/livez", livez, ["GET"]),
     ("/metrics", metrics, ["GET"]),
     ("/server_info", server_info, ["GET"]),
     ("/get_server_info", server_info, ["GET"]),
@@ -92,7 +94,7 @@ ROUTES = [
     ("/detokenize", detokenize, ["POST"]),
 ]
 
-UNPROTECTED = set(OPEN)  # /health, /openapi.json
+UNPROTECTED = set(OPEN)  # /health, /livez, /openapi.json
 ADMIN = {"/server_info", "/get_server_info", "/abort_request", "/flush_cache", "/pause_generation",
          "/continue_generation", "/update_weights_from_disk"}
 

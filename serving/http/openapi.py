@@ -36,7 +36,7 @@ from .tokens import DetokenizeBody, Detokenized, TokenizeBody, Tokenized
 
 __all__ = ["OPEN", "document", "openapi"]
 
-OPEN = ("/health", "/openapi.json")  # served without the API key (app.UNPROTECTED)
+OPEN = ("/health", "/livez", "/openapi.json")  # served without the API key (app.UNPROTECTED)
 
 
 # -- answers, as described (never built: the routes build plain dicts) -------------------
@@ -221,7 +221,8 @@ JSON_ANSWERS: dict[str, Any] = {
     "/server_info": dict[str, Any], "/get_server_info": dict[str, Any], "/openapi.json": dict[str, Any],
     "/tokenize": Tokenized, "/detokenize": Detokenized,
 }
-TEXT_ANSWERS = {"/health": "OK", "/health_generate": "OK (one token was generated)",
+TEXT_ANSWERS = {"/health": "OK", "/livez": "OK: this process answers (whatever the scheduler or replicas do)",
+                "/health_generate": "OK (one token was generated)",
                 "/metrics": "Prometheus text exposition format", "/flush_cache": "Cache flushed."}
 STREAMS = {"/generate": "NativeResult", "/v1/completions": "CompletionChunk",
            "/v1/chat/completions": "ChatCompletionChunk"}

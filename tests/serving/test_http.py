@@ -208,6 +208,7 @@ async def test_openai_stop_n_and_usage(server):
 
 async def test_admin_routes(server):
     assert (await server.get("/health")).text == "OK"
+    assert (await server.get("/livez")).text == "OK"
     assert (await server.get("/health_generate")).status_code == 200  # (it fails when generation does:
     info = (await server.get("/server_info")).json()  # test_overload_is_503_with_retry_after)
     assert info["running"] == 0 and info["kv_pages_total"] > 0
@@ -407,6 +408,7 @@ async def test_api_key_on_every_route_and_admin_key_on_admin_routes(nursery):
              {"Authorization": "sesame"}, {"Authorization": "Basic sesame"}]
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/livez")).text == "OK"  # (a probe holds no key)
         for path, _, methods in ROUTES:
             if path in UNPROTECTED:
                 continue

@@ -333,6 +333,7 @@ async def test_a_frozen_scheduler_is_killed_by_the_output_watchdog(nursery, base
         with trio.fail_after(30):  # the output watchdog (3 s) notices and kills it
             while (await client.get("/health")).status_code == 200:
                 await trio.sleep(0.05)
+        assert (await client.get("/livez")).text == "OK"  # (liveness: the front end itself answers)
 
     bodies = requests_for(5, n=8)
     texts, app = await run_with_fault(nursery, bodies, freeze, **{"watchdogs.output_timeout": 3.0})
