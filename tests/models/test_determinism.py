@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_kernels, layers
+from models import cpu_kernels, probes
 from models import runner as runner_module
 from models.loading import to_transformers
 from models.runner import ModelRunner, SeqInput, generate
@@ -51,14 +51,14 @@ def pin(monkeypatch):
         if path in ("kernel", "codes"):
             if not cpu_kernels.packed_linear_available():
                 pytest.skip("this build has no fp32 projection kernel (no AVX2 + FMA)")
-            monkeypatch.setattr(layers, "kernel_pays", lambda *a: True)
+            monkeypatch.setattr(probes, "kernel_pays", lambda *a: True)
         else:
-            monkeypatch.setattr(layers, "kernel_pays", lambda *a: False)
-        if path == "onednn" and not all(layers.onednn_invariant(dtype, CPU, False, tuple(w.shape))
+            monkeypatch.setattr(probes, "kernel_pays", lambda *a: False)
+        if path == "onednn" and not all(probes.onednn_invariant(dtype, CPU, False, tuple(w.shape))
                                         for w in model.state_dict.values() if w.dim() == 2):
             pytest.skip(f"oneDNN's {dtype} products are not invariant on this CPU (the runner takes another path)")
         if path == "tiles":
-            monkeypatch.setattr(layers, "onednn_invariant", lambda *a: False)
+            monkeypatch.setattr(probes, "onednn_invariant", lambda *a: False)
         if path == "emulated":
             monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: False)
         return gguf_requantized(model) if path == "codes" else model

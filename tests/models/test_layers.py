@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import DENSE_ROWS, CausalLM, Linear, dense_pays, packing_pays
+from models.layers import CausalLM
+from models.probes import dense_pays, packing_pays
+from models.projections import DENSE_ROWS, Linear
 from models.runner import ModelRunner, SeqInput, cpu_has_bf16
 
 CPU = torch.device("cpu")
@@ -52,9 +54,9 @@ def test_dense_weights_are_kept_only_beside_packed_ones():
 
 @pytest.mark.skipif(not (cpu_has_bf16() and torch.backends.mkldnn.is_available()), reason="no bf16 units")
 def test_plain_copies_stay_within_their_memory_budget(tiny_llama, monkeypatch):
-    from models import layers
+    from models import layers, probes
 
-    monkeypatch.setattr(layers, "dense_pays", lambda *shape: True)
+    monkeypatch.setattr(probes, "dense_pays", lambda *shape: True)
     o = tiny_llama.config.hidden_size * tiny_llama.config.hidden_size * 2  # bytes of one bf16 o_proj
     monkeypatch.setattr(layers, "DENSE_BUDGET_BYTES", o)  # room for exactly one plain copy
     model = ModelRunner(tiny_llama, dtype=torch.bfloat16).model
@@ -88,7 +90,7 @@ def test_a_packed_fp32_projection_gives_f_linear_products(rows):
 
 
 def test_fp32_products_may_differ_by_summation_order_bf16_ones_not_at_all():
-    from models.layers import _same_product
+    from models.probes import _same_product
 
     base = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 30
     top = base.abs().max()
@@ -142,7 +144,7 @@ def test_a_kernel_projection_gives_f_linear_products_and_its_dense_weight():
 
 
 def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
-    from models.layers import kernel_pays
+    from models.probes import kernel_pays
 
     model = ModelRunner(tiny_llama, dtype=torch.float32).model
     assert model.kernel == kernel_pays(torch.float32, CPU) and not (model.kernel and model.packed)
@@ -176,11 +178,9 @@ def test_a_gguf_model_runs_on_block_codes_with_the_logits_of_its_fp32_weights(ti
     pinned: whether it pays on this machine is not the question)."""
     import dataclasses
 
-    from models import layers
-
     from gguf import GGMLQuantizationType, quants
 
-    from models import cpu_kernels
+    from models import cpu_kernels, probes
 
     if not cpu_kernels.packed_linear_available():
         pytest.skip("no AVX2 + FMA kernel on this machine")
@@ -192,7 +192,7 @@ def test_a_gguf_model_runs_on_block_codes_with_the_logits_of_its_fp32_weights(ti
         return torch.from_numpy(quants.dequantize(quants.quantize(tensor.numpy(), kind), kind).copy())
 
     loaded = dataclasses.replace(tiny_llama, state_dict={n: requantize(n, t) for n, t in tiny_llama.state_dict.items()})
-    monkeypatch.setattr(layers, "kernel_pays", lambda *a: True)
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a: True)
     runner = ModelRunner(loaded, dtype=torch.float32)
     assert runner.model.kernel
     assert all(lin.codes is not None for lin in runner.model.projections())

@@ -1,0 +1,154 @@
+"""Projections y = x W^T (+ b): one class per way of keeping W, chosen once at load.
+
+- `DenseLinear`: W as it is, through `F.linear`;
+- `PackedLinear`: W reordered once for oneDNN (`PACK_ROWS`-row products), optionally the plain W
+  kept too for products of `DENSE_ROWS` rows or more;
+- `PanelLinear`: tercet's fp32 kernel's panels (`cpu_kernels.packed_linear`);
+- `BlockCodeLinear`: the same kernel over a W that is exactly GGUF block codes, kept as int8 codes
+  with per-block d and m (`cpu_kernels.block_linear`): the panels' bits, a third of the bytes.
+
+`Linear(...)` picks the class. Which storage pays on a machine is timed at start-up in
+`probes.py`; why, with the figures measured, is in docs/cpu-performance.md.
+
+Every class shares the calling convention: `lin(x, upcast=False, tile=None)`. `upcast` is a bf16
+product computed as fp32 products on exact upcasts (CPUs without bf16 units). For batch
+invariance (the deterministic mode), a path that is not invariant by itself multiplies in fixed
+tiles of `tile` rows, or products of at least `min_rows` rows (oneDNN's one-row kernel rounds
+otherwise; `probes.onednn_invariant`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels, invariant
+
+PACK_ROWS = 128  # the batch size oneDNN lays prepacked weights out for
+DENSE_ROWS = 512  # from here on a PackedLinear with its plain W multiplies through F.linear
+
+
+class Projection:
+    """One projection, W [out, in]; the subclasses keep W their own way."""
+
+    weight: torch.Tensor | None = None  # the plain W, where kept
+    packed: torch.Tensor | None = None  # oneDNN's layout (PackedLinear)
+    panels: torch.Tensor | None = None  # tercet's fp32 kernel's layout (PanelLinear)
+    codes: list[torch.Tensor] | None = None  # codes, scales, offsets (BlockCodeLinear)
+    invariant_by_itself = False  # a row's product has the same bits whatever the number of rows
+
+    def __init__(self, shape: tuple[int, int], bias: torch.Tensor | None) -> None:
+        self.bias = bias
+        self.shape = tuple(shape)  # [out, in]
+        self.out_features = self.shape[0]
+        self.tile: int | None = None  # multiply in fixed tiles of this many rows (invariance)
+        self.min_rows = 1  # pad smaller products with zero rows to this many (invariance)
+
+    def dense(self) -> torch.Tensor:
+        """W [out, in] as the products use it."""
+        raise NotImplementedError
+
+    def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+        """x W^T without the bias; fp32 when `upcast`."""
+        if upcast:
+            return F.linear(x.float(), self.dense().float())
+        return self._product(x, None)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, upcast: bool = False, tile: int | None = None) -> torch.Tensor:
+        tile = self.tile if tile is None else tile
+        if tile is not None and not self.invariant_by_itself:
+            return invariant.tiled_linear(x, self.product, self.bias, tile, upcast and tile >= 8)
+        if 0 < x.shape[0] < self.min_rows:  # padded with zero rows, dropped after
+            return self(torch.cat([x, x.new_zeros(self.min_rows - x.shape[0], x.shape[1])]), upcast)[: x.shape[0]]
+        if upcast and x.shape[0] >= 8:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.dense().float(), bias).to(x.dtype)
+        return self._product(x, self.bias)
+
+
+class DenseLinear(Projection):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape, bias)
+        self.weight = weight
+
+    def dense(self) -> torch.Tensor:
+        return self.weight
+
+    def _product(self, x, bias):
+        return F.linear(x, self.weight, bias)
+
+
+class PackedLinear(Projection):
+    """W reordered once at load for oneDNN; with `keep_dense`, the plain W too for products of
+    DENSE_ROWS rows or more (where the 128-row layout can be slower: `probes.dense_pays`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_dense: bool = False) -> None:
+        super().__init__(weight.shape, bias)
+        self.weight = weight if keep_dense else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight if self.weight is not None else self.packed.to_dense()
+
+    def _product(self, x, bias):
+        if self.weight is not None and x.shape[0] >= DENSE_ROWS:
+            return F.linear(x, self.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class PanelLinear(Projection):
+    """tercet's fp32 kernel: W in panels of 16 output columns, one running sum per output over k
+    in order, so invariant by itself."""
+
+    invariant_by_itself = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape, bias)
+        self.panels = cpu_kernels.pack_linear_weight(weight)
+
+    def dense(self) -> torch.Tensor:
+        return _unpanel(self.panels, self.out_features)
+
+    def _product(self, x, bias):
+        return cpu_kernels.packed_linear(x, self.panels, self.out_features, bias)
+
+
+class BlockCodeLinear(Projection):
+    """The same kernel over GGUF block codes (`codes` from `cpu_kernels.pack_block_codes`): each
+    block of 32 weights of a row is float(q) * d + m, rebuilt as the kernel goes, bit for bit."""
+
+    invariant_by_itself = True
+
+    def __init__(self, codes: list[torch.Tensor], out_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__((out_features, codes[0].shape[1]), bias)
+        self.codes = codes
+
+    def dense(self) -> torch.Tensor:
+        codes, scales, offsets = self.codes  # w = float(q) * d + m per block of 32 k
+        panels = (codes.float().unflatten(1, (scales.shape[1], -1)) * scales[:, :, None]
+                  + offsets[:, :, None]).flatten(1, 2)
+        return _unpanel(panels, self.out_features)
+
+    def _product(self, x, bias):
+        return cpu_kernels.block_linear(x, *self.codes, self.out_features, bias)
+
+
+def _unpanel(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """[P, K, 16] -> [P * 16, K], less the padding."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features].contiguous()
+
+
+def Linear(weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,  # noqa: N802 - a factory
+           keep_dense: bool = False, kernel: bool = False, codes: bool = False) -> Projection:
+    """The projection for W: tercet's kernel (`kernel`; over block codes with `codes` where W is
+    exactly such codes, else its fp32 panels), oneDNN's prepacked W (`packed`, the plain W kept
+    too with `keep_dense`), or W as it is."""
+    if kernel:
+        found = cpu_kernels.pack_block_codes(weight) if codes else []  # [] where W is not exactly codes
+        return BlockCodeLinear(found, weight.shape[0], bias) if found else PanelLinear(weight, bias)
+    if packed:
+        return PackedLinear(weight, bias, keep_dense)
+    return DenseLinear(weight, bias)
