@@ -71,7 +71,10 @@ constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_
 constexpr int64_t kDirectRows = 2;
 #if TERCET_GEMM
 constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
-constexpr int kChains = 8;  // accumulator chains of the direct code paths (rows x panels x kVecs)
+// Panels per call of the direct code paths, by rows: AVX2 8 accumulator chains for one row and two;
+// AVX-512 4 for one row (8 panels split 576 columns unevenly between two threads and measured no
+// faster) and 8 for two
+constexpr int kDirectPanels[2] = {4, 8 / kVecs / 2};
 // The rows' inputs: read in place on AVX-512 (grouping them measured 5-20 % slower at 1-8 rows),
 // grouped by kRows, interleaved [k][kRows], on AVX2 (one stream for the broadcasts; in place
 // measured 15-25 % slower at 8-32 rows). Row r's input i at xr[r][i * kStep].
@@ -387,7 +390,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 #if TERCET_GEMM
   if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes
     const int64_t m = x.size(0), sstride = (k / kGroup) * kPanel;
-    const int64_t width = kChains / kVecs / m;  // panels per call: kChains accumulators in all
+    const int64_t width = kDirectPanels[m - 1];
     const auto rows_in = block_rows_of(x);
     const float* a = rows_in.data_ptr<float>();
     auto y = at::empty({m, n}, x.options());
@@ -399,9 +402,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
         const int8_t* pc = c + p * k * kPanel;
         if (m == 1)
-          direct<1, kChains / kVecs>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
+          direct<1, kDirectPanels[0]>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
         else
-          direct<2, kChains / kVecs / 2>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
+          direct<2, kDirectPanels[1]>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
       }
     });
     return y;
