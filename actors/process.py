@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -107,10 +108,12 @@ class ProcessChild:
         ready_read, ready_write = os.pipe()
         spec = _Spec(self.target, self.args, os.getpid(), self.name, logging.getLogger().level, self.hub)
         env = dict(os.environ if self.env is None else self.env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = import_path(env.get("PYTHONPATH"))
         try:
             self.process = process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "actors.process", str(ready_write)],
+                # -P: the working directory is not put first on sys.path (a module planted in a
+                # shared directory the server was started from is never imported)
+                [sys.executable, "-P", "-m", "actors.process", str(ready_write)],
                 stdin=subprocess.PIPE, pass_fds=(ready_write, *self.pass_fds), env=env,
             )
         finally:
@@ -135,6 +138,16 @@ class ProcessChild:
         finally:
             with trio.CancelScope(shield=True):
                 await _terminate(process, self.kill_after, self.name)
+
+
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # where ``actors`` (and its siblings) are
+
+
+def import_path(inherited: str | None) -> str:
+    """A child's PYTHONPATH: the directory tercet's packages are in, then the absolute entries
+    inherited (a relative or empty one would mean the working directory)."""
+    entries = [PACKAGE_ROOT, *(inherited or "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(e for e in entries if os.path.isabs(e)))
 
 
 async def _exit_status(process: trio.Process, wait: float) -> int | None:

@@ -23,8 +23,10 @@ They are built once per machine with the host's C++ compiler
 (`torch.utils.cpp_extension`, -O3 -march=native, 6-35 s by the machine) into tercet's cache
 (`~/.cache/tercet/kernels`, see `loading.cache_root`), named by a digest of
 the sources, flags, torch version and CPU flags, and loaded from there by
-later processes. Where they cannot be built (no compiler) `load()` logs why
-once and returns False; the runner then keeps the torch path.
+later processes: only a build this user's alone (`private_cache`; else it is
+built again, in a private directory where the cache is not), and a build that
+does not load (truncated, corrupt) is built again. Where they cannot be built
+(no compiler) `load()` logs why once and returns False; the runner then keeps the torch path.
 `TERCET_CPU_KERNELS=0` turns them off.
 """
 
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .loading import cache_root
+from .private_cache import CacheNotPrivate, private_dir, why_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +60,48 @@ def load() -> bool:
         log.info("tercet CPU kernels off (TERCET_CPU_KERNELS=0): the torch attention path serves")
         return False
     try:
-        target = cache_root() / "kernels" / f"tercet_cpu_{_digest()}.so"  # (sources missing: the except)
-        if target.is_file():
-            torch.ops.load_library(str(target))
-        else:
-            _build(target)
+        directory, private = _kernels_dir()
+        target = directory / f"tercet_cpu_{_digest()}.so"  # (sources missing: the except)
+        try:
+            if not _load_cached(target):
+                _build(target)
+        finally:
+            if private:  # loaded (the mapping stays) or failed: nothing of it is kept
+                shutil.rmtree(directory, ignore_errors=True)
     except Exception as e:  # no compiler, a compile error: serve on the torch path, say why
         lines = str(e).strip().splitlines() or [type(e).__name__]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1])
         log.warning("tercet CPU kernels unavailable, the torch attention path serves: %s", reason.strip())
         return False
     return True
+
+
+def _kernels_dir() -> tuple[Path, bool]:
+    """The cache's kernel directory; where it is not this user's alone (``private_cache``), a
+    fresh private one for this process only (True): another user's build is never loaded."""
+    try:
+        private_dir(cache_root())
+        return private_dir(cache_root() / "kernels"), False
+    except (CacheNotPrivate, OSError) as e:
+        log.warning("not using the kernel cache (%s); building the kernels for this process only", e)
+        return Path(tempfile.mkdtemp(prefix="tercet-kernels-")), True
+
+
+def _load_cached(target: Path) -> bool:
+    """Load the build at ``target`` if there is one, it is trusted and it loads; else remove it
+    (a build someone else could have written, a truncated or corrupt file) for a rebuild."""
+    if not target.exists():
+        return False
+    why = why_untrusted(target)
+    if why is None:
+        try:
+            torch.ops.load_library(str(target))
+            return True
+        except OSError as e:  # truncated, not a library, or built against another torch
+            why = f"{target} does not load ({e})"
+    log.warning("rebuilding the tercet CPU kernels: %s", why)
+    target.unlink(missing_ok=True)  # (another process may have done it first)
+    return False
 
 
 def _build(target: Path) -> None:
@@ -88,7 +122,9 @@ def _build(target: Path) -> None:
             extra_ldflags=["-fopenmp"], build_directory=str(scratch), is_python_module=False,
             verbose=False,
         )
-        os.replace(scratch / f"{target.stem}.so", target)  # readers see all of it or nothing
+        built = scratch / f"{target.stem}.so"
+        os.chmod(built, 0o755)  # no group or other write bit, whatever the umask: trusted when read back
+        os.replace(built, target)  # readers see all of it or nothing
         for old in target.parent.glob("tercet_cpu_*.so"):  # builds of older sources or flags
             if old != target:
                 old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping

@@ -3,7 +3,9 @@
 Everything arrives as a `LoadedModel`: a transformers config, a state dict
 with transformers' parameter names, a tokenizer (with its chat template) and
 the set of eos ids. GGUF files are dequantized once by transformers and kept
-as safetensors in a user cache dir, so a second load takes about a second.
+as safetensors in a user cache dir, so a second load takes about a second;
+a conversion is served only while no other user could have written it
+(`private_cache`), else it is made again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import ModelLoadError
+from .private_cache import CacheNotPrivate, drop_write_bits, private_dir, why_untrusted_tree
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +76,23 @@ def converted_gguf_dir(gguf: Path) -> Path:
     """The cached safetensors conversion of `gguf`, made now if missing."""
     if gguf.suffix != ".gguf":
         raise ModelLoadError(f"{gguf}: a model file must be .gguf (or pass a directory)")
-    target = cache_root() / f"{gguf.stem}-{_cache_key(gguf)}"
+    try:
+        root = private_dir(cache_root())  # weights written by someone else are never served
+    except CacheNotPrivate as exc:
+        raise ModelLoadError(f"converting {gguf.name}: the weights cache is not private: {exc}") from None
+    target = root / f"{gguf.stem}-{_cache_key(gguf)}"
     if (target / "tercet-source.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        why = why_untrusted_tree(target)
+        if why is None:
+            return target
+        log.warning("converting %s again: %s", gguf, why)
+        shutil.rmtree(target, ignore_errors=True)  # (another process may be at it too)
+        if target.exists():
+            raise ModelLoadError(f"converting {gguf.name}: {why}, and it cannot be removed: remove {target}")
+    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     try:
         _convert_gguf(gguf, scratch)
+        drop_write_bits(scratch)  # whatever the umask: trusted when read back
         try:
             os.rename(scratch, target)  # atomic: readers see all or nothing
         except OSError:
