@@ -1,13 +1,15 @@
-"""Attention over the paged KV cache: the torch path and its plan.
+"""Attention over the paged KV cache: the step's plan, one class per backend, and the torch paths.
 
-The runner lays a step out as [decode tokens..., prefill chunks...] and
-builds one `AttentionPlan` per step, shared by every layer. Decode rows
-attend through the page table (a triton kernel on CUDA; on CPU tercet's
-C++ kernel, `cpu_kernels.paged_decode_attention`, or where it cannot be
-built `bucketed_decode_attention`, which gives `paged_decode_attention`'s
-results faster than the reference); each prefill chunk attends to its cached prefix plus
-itself. These torch functions are also the references the triton kernels
-are tested against.
+The runner lays a step out as [decode tokens..., prefill chunks...] and builds one
+`AttentionPlan` per step, shared by every layer; its backend is chosen once per runner:
+
+- `KernelAttention` (CPU, the deterministic mode): every row through tercet's C++ kernel;
+- `KernelDecodeAttention` (CPU, mode off): decode rows through the C++ kernel, prefill chunks SDPA;
+- `SplitAttention` (CPU without the C++ kernels, deterministic): split-KV torch code for every row;
+- `TorchAttention` (CPU without the kernels, mode off): decode rows bucketed through SDPA;
+- `TritonAttention` (CUDA): the triton paged kernel, or its split-KV kernel for every row.
+
+The torch functions here are also the references the C++ and triton kernels are tested against.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 from .kv_cache import pages_for
-from .split_attention import SplitPlan, split_kv_attention
+from .split_attention import SplitGroup, split_kv_attention
 
 
 @dataclass
@@ -41,21 +43,16 @@ class DecodeBucket:
 
 @dataclass
 class AttentionPlan:
+    """A step's attention, shared by every layer: where each new token's K/V go, and the backend
+    (one of the classes below, chosen by the runner once) with its own layout of the step."""
+
     slots: torch.Tensor  # [T] cache row of each new token
-    num_decode: int  # rows [0, num_decode) are single decode tokens
-    page_table: torch.Tensor  # [num_decode, max_pages] int32 (padded with 0)
-    context_lens: torch.Tensor  # [num_decode] int32, tokens to attend to incl. the new one
-    page_size: int
-    decode_buckets: list[DecodeBucket] | None  # torch path, default mode
-    prefills: list[PrefillChunk]
-    use_triton: bool
-    cpu_kernel: bool = False  # decode rows through cpu_kernels.paged_attention (no gather)
-    prefill_kernel: bool = False  # prefill rows too (the same code: a row's bits do not depend on the batch)
-    row_seq: torch.Tensor | None = None  # with prefill_kernel: [T] int32, each row's row of page_table
-    row_lens: torch.Tensor | None = None  # [T] int32, keys each row attends (its position + 1)
-    compute_dtype: torch.dtype | None = None  # torch path: attend in this dtype (fp32 where bf16 is slow)
-    split: SplitPlan | None = None  # the deterministic mode: split-KV attention for every row
-    row_tile: int | None = None  # the deterministic mode: rows per GEMM call (layers.py)
+    backend: "TorchAttention | KernelDecodeAttention | KernelAttention | SplitAttention | TritonAttention"
+
+    @property
+    def triton(self) -> bool:
+        """Whether the backend runs triton kernels (its K/V store too)."""
+        return isinstance(self.backend, TritonAttention)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k, v, slots) -> None:
@@ -179,53 +176,112 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale, com
 def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale, stored: bool = False):
     """Store this layer's new K/V (unless `stored`: done already), then attend every row;
     q/k/v are [T, heads, d]."""
-    if plan.use_triton:
+    if not stored and plan.triton:
         from . import triton_attention
 
-        if not stored:
-            triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
+        triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
     elif not stored:
         store_kv(k_cache, v_cache, k, v, plan.slots)
-    if plan.split is not None:
-        return _attend_split(q, k_cache, v_cache, plan, scale)
-    if plan.prefill_kernel and plan.row_seq is not None:  # every row, decode and prefill, by one kernel
-        return cpu_kernels.paged_attention(
-            q, k_cache, v_cache, plan.page_table, plan.row_seq, plan.row_lens, plan.page_size, scale
-        )
-    out = torch.empty_like(q)
-    n = plan.num_decode
-    if n:
-        if plan.use_triton:
-            out[:n] = triton_attention.paged_decode_attention(
-                q[:n], k_cache, v_cache, plan.page_table, plan.context_lens, plan.page_size, scale
-            )
-        elif plan.cpu_kernel:
-            out[:n] = cpu_kernels.paged_decode_attention(
-                q[:n], k_cache, v_cache, plan.page_table, plan.context_lens, plan.page_size, scale
-            )
-        else:
-            out[:n] = bucketed_decode_attention(
-                q[:n], k_cache, v_cache, plan.decode_buckets, scale, plan.compute_dtype
-            )
-    for chunk in plan.prefills:
+    return plan.backend.attend(q, k, v, k_cache, v_cache, scale)
+
+
+def _prefill_chunks(out, q, k, v, k_cache, v_cache, chunks: list[PrefillChunk], scale, compute_dtype):
+    for chunk in chunks:
         part = slice(chunk.start, chunk.end)
-        out[part] = prefill_attention(
-            q[part], k[part], v[part], k_cache, v_cache, chunk, scale, plan.compute_dtype
-        )
+        out[part] = prefill_attention(q[part], k[part], v[part], k_cache, v_cache, chunk, scale, compute_dtype)
     return out
 
 
-def _attend_split(q, k_cache, v_cache, plan: AttentionPlan, scale):
-    """The deterministic mode: decode rows and prefill rows through the same split-KV code."""
-    split = plan.split
-    if plan.use_triton:
+@dataclass
+class TorchAttention:
+    """Decode rows in buckets of similar length through SDPA (`bucketed_decode_attention`), each
+    prefill chunk through SDPA over its cached prefix and itself: where nothing faster builds."""
+
+    num_decode: int  # rows [0, num_decode) are single decode tokens
+    buckets: list[DecodeBucket]
+    prefills: list[PrefillChunk]
+    compute_dtype: torch.dtype | None = None  # attend in this dtype (fp32 where bf16 is slow)
+
+    def attend(self, q, k, v, k_cache, v_cache, scale):
+        out, n = torch.empty_like(q), self.num_decode
+        if n:
+            out[:n] = bucketed_decode_attention(q[:n], k_cache, v_cache, self.buckets, scale, self.compute_dtype)
+        return _prefill_chunks(out, q, k, v, k_cache, v_cache, self.prefills, scale, self.compute_dtype)
+
+
+@dataclass
+class KernelDecodeAttention:
+    """Decode rows through tercet's C++ kernel (no gathered copy), prefill chunks through SDPA: the
+    fast path outside the deterministic mode."""
+
+    num_decode: int
+    page_table: torch.Tensor  # [num_decode, max_pages] int32 (padded with 0)
+    context_lens: torch.Tensor  # [num_decode] int32, keys each decode row attends (incl. its own)
+    page_size: int
+    prefills: list[PrefillChunk]
+    compute_dtype: torch.dtype | None = None
+
+    def attend(self, q, k, v, k_cache, v_cache, scale):
+        out, n = torch.empty_like(q), self.num_decode
+        if n:
+            out[:n] = cpu_kernels.paged_decode_attention(
+                q[:n], k_cache, v_cache, self.page_table, self.context_lens, self.page_size, scale)
+        return _prefill_chunks(out, q, k, v, k_cache, v_cache, self.prefills, scale, self.compute_dtype)
+
+
+@dataclass
+class KernelAttention:
+    """Every row, decode or prefill, through tercet's C++ kernel (`cpu_kernels.paged_attention`):
+    a row's bits depend only on its query, position and keys (the deterministic mode)."""
+
+    page_table: torch.Tensor  # [B, max_pages] int32, one row per sequence
+    row_seq: torch.Tensor  # [T] int32, each row's row of page_table
+    row_lens: torch.Tensor  # [T] int32, keys each row attends (its position + 1)
+    page_size: int
+
+    def attend(self, q, k, v, k_cache, v_cache, scale):
+        return cpu_kernels.paged_attention(q, k_cache, v_cache, self.page_table, self.row_seq, self.row_lens,
+                                           self.page_size, scale)
+
+
+@dataclass
+class SplitAttention:
+    """The deterministic mode without the C++ kernels: decode and prefill rows through the same
+    split-KV torch code (`split_attention.py`), one group per prefill chunk and one for the decode rows."""
+
+    groups: list[SplitGroup]
+
+    def attend(self, q, k, v, k_cache, v_cache, scale):
+        out = torch.empty_like(q)
+        for group in self.groups:
+            part = slice(group.start, group.end)
+            out[part] = split_kv_attention(q[part], k_cache, v_cache, group, scale)
+        return out
+
+
+@dataclass
+class TritonAttention:
+    """CUDA: decode rows through the triton paged kernel, prefill chunks through SDPA; with `split`
+    (the deterministic mode) every row through the triton split-KV kernel, each with its own table
+    row (`row_table`, `row_pos`)."""
+
+    num_decode: int
+    page_table: torch.Tensor
+    context_lens: torch.Tensor
+    page_size: int
+    prefills: list[PrefillChunk]
+    split: int | None = None
+    row_table: torch.Tensor | None = None  # [T, pages] int32, each row's page table (split)
+    row_pos: torch.Tensor | None = None  # [T] int32, each row's absolute position (split)
+
+    def attend(self, q, k, v, k_cache, v_cache, scale):
         from . import triton_attention
 
-        return triton_attention.split_kv_attention(
-            q, k_cache, v_cache, split.row_table, split.row_pos, plan.page_size, scale, split.split
-        )
-    out = torch.empty_like(q)
-    for group in split.groups:
-        part = slice(group.start, group.end)
-        out[part] = split_kv_attention(q[part], k_cache, v_cache, group, scale)
-    return out
+        if self.split is not None:
+            return triton_attention.split_kv_attention(
+                q, k_cache, v_cache, self.row_table, self.row_pos, self.page_size, scale, self.split)
+        out, n = torch.empty_like(q), self.num_decode
+        if n:
+            out[:n] = triton_attention.paged_decode_attention(
+                q[:n], k_cache, v_cache, self.page_table, self.context_lens, self.page_size, scale)
+        return _prefill_chunks(out, q, k, v, k_cache, v_cache, self.prefills, scale, None)

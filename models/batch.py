@@ -1,10 +1,9 @@
 """Lay a step's sequences out as one flattened ragged batch (no padding).
 
 Rows are [decode tokens..., prefill chunks...]; `build_batch` returns the
-token ids, their positions, the `AttentionPlan` shared by every layer and,
-per sequence, the row whose hidden state predicts its next token. With
-`split` (the deterministic mode) the plan also lays every row out for the
-split-KV attention of `split_attention.py`.
+token ids, their positions, the `AttentionPlan` shared by every layer (laid
+out for the runner's attention backend, attention.py) and, per sequence,
+the row whose hidden state predicts its next token.
 """
 
 from __future__ import annotations
@@ -15,10 +14,19 @@ from typing import Protocol
 
 import torch
 
-from .attention import AttentionPlan, PrefillChunk, decode_buckets
+from .attention import (
+    AttentionPlan,
+    KernelAttention,
+    KernelDecodeAttention,
+    PrefillChunk,
+    SplitAttention,
+    TorchAttention,
+    TritonAttention,
+    decode_buckets,
+)
 from .errors import InvalidBatch
 from .kv_cache import pages_for
-from .split_attention import SplitPlan, split_group
+from .split_attention import SplitGroup, split_group
 
 
 class _Seq(Protocol):
@@ -35,19 +43,19 @@ class Batch:
     last_rows: list[int]  # per sequence (in batch order), its last row
 
 
-def build_batch(
-    seqs: Sequence[_Seq], page_size: int, device, use_triton: bool,
-    split: int | None = None, row_tile: int | None = None, *, kv_heads: int, cpu_kernel: bool = False,
-    prefill_kernel: bool = False,
-) -> Batch:
-    """`seqs` must list single-token (decode) sequences first.
+BACKENDS = ("kernel", "kernel-decode", "split", "torch", "triton", "triton-split")
 
-    `split` and `row_tile` turn on the torch path's deterministic mode (see runner.py);
-    `kv_heads` is the model's, for the torch decode path's gather indices;
-    `cpu_kernel` sends decode rows through the C++ kernel (no gather plan), and with
-    `prefill_kernel` the prefill rows too (the plan then has a page-table row per sequence,
-    and per row its sequence and length).
-    """
+
+def build_batch(
+    seqs: Sequence[_Seq], page_size: int, device, backend: str, *, kv_heads: int,
+    split: int | None = None, compute_dtype: torch.dtype | None = None,
+) -> Batch:
+    """`seqs` must list single-token (decode) sequences first; `backend` names the attention
+    backend (attention.py) to lay the step out for: "kernel", "kernel-decode", "split" and
+    "triton-split" need `split` only for the torch and triton split-KV paths; `kv_heads` is the
+    model's (the torch decode path's gather indices); `compute_dtype` as in TorchAttention."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (one of {', '.join(BACKENDS)})")
     for s in seqs:
         _check(s, page_size)
     num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
@@ -56,33 +64,39 @@ def build_batch(
     positions = [s.num_cached for s in decode]
     table, context_lens, decode_slots = _decode_tables(decode, page_size)
     slot_parts, chunks, row = [decode_slots], [], num_decode
-    every_row = cpu_kernel and prefill_kernel and split is None and not use_triton  # no torch prefill plan
+    slots_only = backend != "torch" and backend != "kernel-decode" and backend != "triton"  # no SDPA plan
     for s in prefill:
-        chunk, slots = _prefill_chunk(s, row, page_size, device, every_row)
+        chunk, slots = _prefill_chunk(s, row, page_size, device, slots_only)
         chunks.append(chunk)
         slot_parts.append(slots)
         ids.extend(s.token_ids)
         positions.extend(range(s.num_cached, s.num_cached + len(s.token_ids)))
         row = chunk.end
-    cpu_kernel = cpu_kernel and split is None and not use_triton
-    row_seq = row_lens = None
-    if every_row and prefill:
-        table, row_seq, row_lens = _row_tables(decode, prefill, positions, page_size)
-    table, context_lens = table.to(device), context_lens.to(device)
-    torch_path = split is None and not use_triton and not cpu_kernel
-    buckets = decode_buckets(table, context_lens, page_size, kv_heads) if decode and torch_path else None
-    plan = AttentionPlan(
-        slots=torch.cat(slot_parts).to(device), num_decode=num_decode, page_table=table,
-        context_lens=context_lens, page_size=page_size, decode_buckets=buckets,
-        prefills=chunks, use_triton=use_triton, cpu_kernel=cpu_kernel, row_tile=row_tile,
-        prefill_kernel=every_row, row_seq=row_seq, row_lens=row_lens,
-    )
-    if split is not None:
-        plan.split = _split_plan(decode, prefill, chunks, positions, page_size, split, device, use_triton)
+    if backend == "kernel":
+        if prefill:
+            table, row_seq, row_lens = _row_tables(decode, prefill, positions, page_size)
+        else:  # decode rows only: row i reads table row i
+            row_seq, row_lens = torch.arange(num_decode, dtype=torch.int32), context_lens
+        attention = KernelAttention(table.to(device), row_seq.to(device), row_lens.to(device), page_size)
+    elif backend == "kernel-decode":
+        attention = KernelDecodeAttention(num_decode, table.to(device), context_lens.to(device), page_size,
+                                          chunks, compute_dtype)
+    elif backend == "torch":
+        table, context_lens = table.to(device), context_lens.to(device)
+        buckets = decode_buckets(table, context_lens, page_size, kv_heads) if decode else []
+        attention = TorchAttention(num_decode, buckets, chunks, compute_dtype)
+    elif backend == "split":
+        attention = SplitAttention(_split_groups(decode, prefill, chunks, page_size, split, device))
+    else:
+        attention = TritonAttention(num_decode, table.to(device), context_lens.to(device), page_size, chunks)
+        if backend == "triton-split":
+            attention.split = split
+            attention.row_table, attention.row_pos = _triton_rows(decode, prefill, positions, page_size, device)
     last_rows = list(range(num_decode)) + [c.end - 1 for c in chunks]
     return Batch(
         torch.tensor(ids, dtype=torch.long, device=device),
-        torch.tensor(positions, dtype=torch.long, device=device), plan, last_rows,
+        torch.tensor(positions, dtype=torch.long, device=device),
+        AttentionPlan(torch.cat(slot_parts).to(device), attention), last_rows,
     )
 
 
@@ -141,17 +155,18 @@ def _prefill_chunk(s: _Seq, row: int, page_size: int, device, slots_only: bool =
     return chunk, context_slots[cached:]
 
 
-def _split_plan(decode, prefill, chunks, positions, page_size, split, device, use_triton) -> SplitPlan:
-    """One group for all decode rows, one per prefill chunk; or, for triton, per-row tables."""
-    if use_triton:
-        owners = [*decode, *(s for s in prefill for _ in s.token_ids)]
-        widths = [pages_for(s.num_cached + len(s.token_ids), page_size) for s in owners]
-        widest = max(widths)
-        table = [[*s.page_table[:w], *([0] * (widest - w))] for s, w in zip(owners, widths)]
-        return SplitPlan(
-            split, [], torch.tensor(table, dtype=torch.int32, device=device),
-            torch.tensor(positions, dtype=torch.int32, device=device),
-        )
+def _triton_rows(decode, prefill, positions, page_size, device):
+    """The triton split-KV kernel's per-row page tables [T, pages] int32 and positions [T] int32."""
+    owners = [*decode, *(s for s in prefill for _ in s.token_ids)]
+    widths = [pages_for(s.num_cached + len(s.token_ids), page_size) for s in owners]
+    widest = max(widths)
+    table = [[*s.page_table[:w], *([0] * (widest - w))] for s, w in zip(owners, widths)]
+    return (torch.tensor(table, dtype=torch.int32, device=device),
+            torch.tensor(positions, dtype=torch.int32, device=device))
+
+
+def _split_groups(decode, prefill, chunks, page_size, split, device) -> list[SplitGroup]:
+    """One group for all decode rows, one per prefill chunk."""
     groups = []
     if decode:
         groups.append(split_group(0, [s.page_table for s in decode], [s.num_cached for s in decode],
@@ -159,4 +174,4 @@ def _split_plan(decode, prefill, chunks, positions, page_size, split, device, us
     for s, chunk in zip(prefill, chunks):
         groups.append(split_group(chunk.start, [s.page_table], [s.num_cached], len(s.token_ids),
                                   page_size, split, device))
-    return SplitPlan(split, groups)
+    return groups

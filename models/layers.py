@@ -82,9 +82,9 @@ class _Layer:
         self.down = linear(w.get(f"{m}.down_proj.weight"))
 
     def __call__(self, x, cos, sin, plan, k_cache, v_cache):
-        cfg, tile = self.model, plan.row_tile
+        cfg = self.model
         h = _rms_norm(x, self.input_norm, cfg.eps)
-        qkv = self.qkv(h, cfg.upcast, tile).view(len(x), -1, cfg.head_dim)  # [T, heads + 2 kv_heads, d]
+        qkv = self.qkv(h, cfg.upcast).view(len(x), -1, cfg.head_dim)  # [T, heads + 2 kv_heads, d]
         qk, v = qkv[:, : cfg.num_heads + cfg.num_kv_heads], qkv[:, cfg.num_heads + cfg.num_kv_heads :]
         if self.q_norm is not None:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
@@ -92,11 +92,11 @@ class _Layer:
         qk = _rotate(qk, cos, sin)  # q and k heads at once: the same elementwise ops as one at a time
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         attn = attend(q, k, v, k_cache, v_cache, plan, cfg.scale)
-        x = x + self.o(attn.reshape(len(x), cfg.q_size), cfg.upcast, tile)
+        x = x + self.o(attn.reshape(len(x), cfg.q_size), cfg.upcast)
         h = _rms_norm(x, self.post_norm, cfg.eps)
-        gate, up = self.gate_up(h, cfg.upcast, tile).chunk(2, dim=-1)
-        act = F.silu(gate) if tile is None and not cfg.invariant else invariant.silu(gate)
-        return x + self.down(act * up, cfg.upcast, tile)
+        gate, up = self.gate_up(h, cfg.upcast).chunk(2, dim=-1)
+        act = invariant.silu(gate) if cfg.invariant else F.silu(gate)  # F.silu's tail rounds apart
+        return x + self.down(act * up, cfg.upcast)
 
 
 class CausalLM:
@@ -104,9 +104,10 @@ class CausalLM:
 
     def __init__(self, config, state_dict, dtype=torch.bfloat16, device="cpu", upcast=False,
                  packed: bool | None = None, kernel: bool | None = None, codes: bool | None = None,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False, fused: bool = False) -> None:
         """`invariant`: every projection gives a row the same bits whatever the number of rows
-        (`_make_invariant`); the runner's deterministic mode, with attention from the C++ kernel."""
+        (`_make_invariant`), the runner's deterministic mode; `fused`: the layers' elementwise steps
+        through tercet's fused C++ ops (`_fused_forward`)."""
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -116,7 +117,7 @@ class CausalLM:
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.dtype, self.device = dtype, torch.device(device)
-        self.invariant = invariant
+        self.invariant, self.fused = invariant, fused
         self.invariant_paths: dict[str, int] = {}  # how many projections are invariant by which path
         self.upcast = upcast and dtype == torch.bfloat16  # see Linear
         # tercet's fp32 projection kernel (see Linear); None: where it pays on this machine
@@ -170,7 +171,7 @@ class CausalLM:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos = (emb.cos() * self.rope_scale).to(self.dtype)
         sin = (emb.sin() * self.rope_scale).to(self.dtype)
-        if plan.cpu_kernel and not self.upcast and self.layers[0].q_norm is None:
+        if self.fused and not self.upcast and self.layers[0].q_norm is None:
             return self._fused_forward(x, cos[:, 0], sin[:, 0], plan, k_cache, v_cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, plan, k_cache[i], v_cache[i])
@@ -193,9 +194,9 @@ class CausalLM:
             h = cpu_kernels.add_rms_norm_(x, down, after, self.eps)
         return h
 
-    def logits(self, hidden, row_tile: int | None = None) -> torch.Tensor:
-        """fp32 logits of hidden rows; `row_tile` as in AttentionPlan (the deterministic mode)."""
-        return self.lm_head(hidden, self.upcast, row_tile).float()
+    def logits(self, hidden) -> torch.Tensor:
+        """fp32 logits of hidden rows."""
+        return self.lm_head(hidden, self.upcast).float()
 
 
 def _rope_parameters(config) -> tuple[torch.Tensor, float]:

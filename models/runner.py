@@ -21,7 +21,7 @@ reproducible, also across a crash-resume. Where tercet's C++ kernels build
 - projections through tercet's GEMM (one running sum per output over k in
   order), or oneDNN's prepacked weights where this machine shows them
   invariant from two rows on (one-row products padded to two,
-  `layers.onednn_invariant`), else fixed tiles of rows (`invariant.py`);
+  `probes.onednn_invariant`), else fixed tiles of rows (`invariant.py`);
 - the elementwise steps, norms and sampler are per row already.
 
 Without the kernels it falls back to the torch path's split-KV attention
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_kernels, invariant
+from . import cpu_kernels
 from .batch import build_batch
 from .errors import ModelLoadError
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
@@ -131,15 +131,14 @@ class ModelRunner:
         # takes the torch path's split-KV attention and fixed row tiles (~2-3x slower)
         self.cpu_kernel = self.device.type == "cpu" and kernels and cpu_kernels.load()
         self.prefill_kernel = deterministic and self.cpu_kernel
-        torch_path = deterministic and not self.cpu_kernel
-        self.row_tile = invariant.row_tile(dtype) if torch_path else None
-        self.split = DEFAULT_SPLIT if torch_path else None
+        self.split = DEFAULT_SPLIT if deterministic and not self.cpu_kernel else None  # torch / triton split-KV
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
         self.max_context_len = getattr(model.config, "max_position_embeddings", None)
         upcast = self.device.type == "cpu" and not cpu_has_bf16()
         self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast,
-                              invariant=self.prefill_kernel)
+                              kernel=None if self.cpu_kernel else False, invariant=deterministic,
+                              fused=self.cpu_kernel)
         self.kv = KVCache(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, dtype=dtype, device=self.device,
@@ -148,6 +147,12 @@ class ModelRunner:
         self.use_triton = (
             self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         )
+        if self.use_triton:
+            self.attention = "triton-split" if deterministic else "triton"
+        elif self.cpu_kernel:
+            self.attention = "kernel" if deterministic else "kernel-decode"
+        else:
+            self.attention = "split" if deterministic else "torch"
 
     def invariance(self) -> dict | None:
         """What makes a sequence's logits independent of the batch (None when the mode is off)."""
@@ -155,8 +160,8 @@ class ModelRunner:
             return None
         if self.prefill_kernel:
             return {"attention": "tercet's C++ kernel, every row", "projections": dict(self.model.invariant_paths)}
-        return {"attention": f"split-KV (torch), splits of {self.split} keys",
-                "projections": f"fixed tiles of {self.row_tile} rows"}
+        return {"attention": f"split-KV ({'triton' if self.use_triton else 'torch'}), splits of {self.split} keys",
+                "projections": dict(self.model.invariant_paths)}
 
     @property
     def context_len(self) -> int:
@@ -172,7 +177,7 @@ class ModelRunner:
             if old[name] != new[name]:
                 raise ModelLoadError(f"{path}: {name} is {new[name]}, the running model has {old[name]}")
         self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast,
-                              invariant=self.prefill_kernel)
+                              invariant=self.deterministic, fused=self.cpu_kernel)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqInput]) -> StepOutput:
@@ -185,7 +190,7 @@ class ModelRunner:
             return out
         picked = [seqs[order[j]] for j in wanted]
         rows = torch.tensor([batch.last_rows[j] for j in wanted], device=self.device)
-        logits = self.model.logits(hidden[rows], self.row_tile)
+        logits = self.model.logits(hidden[rows])
         drawn = sample(
             logits, [s.params for s in picked],
             [s.num_cached + len(s.token_ids) for s in picked],
@@ -208,19 +213,17 @@ class ModelRunner:
         out = []
         for i in which:
             last = batch.last_rows[where[i]] + 1
-            out.append(self.model.logits(hidden[last - len(seqs[i].token_ids) : last], self.row_tile))
+            out.append(self.model.logits(hidden[last - len(seqs[i].token_ids) : last]))
         return out
 
     def _forward(self, seqs: Sequence[SeqInput]):
         """Decode rows first: (the permutation applied, the batch, final hidden states)."""
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
         batch = build_batch(
-            [seqs[i] for i in order], self.kv.page_size, self.device, self.use_triton,
-            self.split, self.row_tile, kv_heads=self.model.num_kv_heads, cpu_kernel=self.cpu_kernel,
-            prefill_kernel=self.prefill_kernel,
+            [seqs[i] for i in order], self.kv.page_size, self.device, self.attention,
+            kv_heads=self.model.num_kv_heads, split=self.split,
+            compute_dtype=torch.float32 if self.model.upcast else None,
         )
-        if self.model.upcast:
-            batch.plan.compute_dtype = torch.float32
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
         return order, batch, hidden
 

@@ -25,7 +25,9 @@ multiply-adds are exact per element. A split wholly masked for a query
 
 A `SplitGroup` is a set of sequences with the same number of new tokens:
 all decode rows form one group, each prefill chunk another. batch.py
-builds the groups once per step (`split_group`); every layer shares them.
+builds the groups once per step (`split_group`, into attention.SplitAttention);
+every layer shares them. This is the deterministic mode's attention where
+tercet's C++ kernel cannot be built (the kernel does the same per query).
 """
 
 from __future__ import annotations
@@ -55,16 +57,6 @@ class SplitGroup:
     @property
     def end(self) -> int:
         return self.start + self.num_seqs * self.num_queries
-
-
-@dataclass
-class SplitPlan:
-    """A step's split-KV layout, shared by every layer."""
-
-    split: int  # keys per split
-    groups: list[SplitGroup]  # the torch path
-    row_table: torch.Tensor | None = None  # the triton path: [T, pages] int32, each row's page table
-    row_pos: torch.Tensor | None = None  # [T] int32, each row's absolute position
 
 
 def split_group(start: int, tables: Sequence[Sequence[int]], num_cached: Sequence[int],

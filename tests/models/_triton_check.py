@@ -70,7 +70,8 @@ def check_split(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
 
     # the runner's wiring: attend() through a deterministic plan with use_triton
     seqs = [SeqInput([1], other, 30), SeqInput([1] * 18, table, 22)]
-    plans = [build_batch(seqs, page_size, "cpu", use, split=split, kv_heads=num_kv_heads).plan for use in (True, False)]
+    plans = [build_batch(seqs, page_size, "cpu", backend, split=split, kv_heads=num_kv_heads).plan
+             for backend in ("triton-split", "split")]
     q_step, kv = torch.randn(19, num_heads, head_dim, generator=gen), torch.randn(19, num_kv_heads, head_dim, generator=gen)
     outs = [attention.attend(q_step, kv, kv, k_cache.clone(), v_cache.clone(), plan, scale) for plan in plans]
     err = (outs[0] - outs[1]).abs().max().item()

@@ -158,9 +158,8 @@ def test_the_runner_decodes_through_the_kernel_as_through_torch(kernels):
     model = tiny_model(seed=3)
     fast = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=False)
     every_row = ModelRunner(model, dtype=torch.float32, page_size=4)  # the default on CPU
-    slow = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=False)
-    slow.cpu_kernel = False
-    assert fast.cpu_kernel and not fast.prefill_kernel and every_row.prefill_kernel
+    slow = ModelRunner(model, dtype=torch.float32, page_size=4, deterministic=False, kernels=False)
+    assert (fast.attention, every_row.attention, slow.attention) == ("kernel-decode", "kernel", "torch")
     prompts = [[1, 5, 9, 2, 7], list(range(3, 40)), [11] * 12]
     results = []
     for runner in (fast, every_row, slow):

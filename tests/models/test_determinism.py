@@ -321,15 +321,15 @@ def test_control_outside_the_mode_the_properties_fail(tiny_llama, dtype):
     assert all(_properties_hold(make_runner(tiny_llama, dtype), random.Random(9)))
 
 
-def test_control_row_tiles_off_break_the_torch_path(tiny_llama, monkeypatch):
-    """The torch path (no kernels): without its fixed row tiles and split-KV attention, the same
-    properties fail, so its tests can fail too."""
+def test_control_the_torch_path_without_the_mode_breaks_the_properties(tiny_llama, monkeypatch):
+    """The torch path (no kernels): with the mode, split-KV attention and invariant projections hold
+    the properties; without it (SDPA, bucketed decode) they fail, so its tests can fail too."""
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     fallback = make_runner(tiny_llama, torch.float32)
-    assert fallback.split is not None and fallback.row_tile is not None and not fallback.prefill_kernel
+    assert fallback.split is not None and fallback.attention == "split" and not fallback.prefill_kernel
     assert all(_properties_hold(fallback, random.Random(10)))
     plain = ModelRunner(tiny_llama, dtype=torch.float32, kv_budget_bytes=8 << 20, deterministic=False)
-    assert not plain.cpu_kernel
+    assert not plain.cpu_kernel and plain.attention == "torch"
     assert not all(_properties_hold(plain, random.Random(10)))
 
 

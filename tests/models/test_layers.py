@@ -197,7 +197,8 @@ def test_a_gguf_model_runs_on_block_codes_with_the_logits_of_its_fp32_weights(ti
     assert runner.model.kernel
     assert all(lin.codes is not None for lin in runner.model.projections())
     reference = ModelRunner(loaded, dtype=torch.float32)
-    reference.model = CausalLM(loaded.config, loaded.state_dict, torch.float32, CPU, kernel=True, codes=False)
+    reference.model = CausalLM(loaded.config, loaded.state_dict, torch.float32, CPU, kernel=True, codes=False,
+                               invariant=reference.deterministic, fused=reference.cpu_kernel)
     assert reference.model.layers[0].qkv.codes is None
     prompts = [list(range(5 + 3 * i, 25 + 7 * i)) for i in range(3)]
     starts = [0, 100, 200]
