@@ -66,15 +66,17 @@ constexpr int kPanels = 1;
 constexpr int64_t kBlockRows = 96;  // rows whose inputs stay in L2 while the panels pass (a multiple of kRows)
 constexpr int64_t kCodeBlockRows = 384;  // the same for block codes: each pass decodes every panel once
 constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_0 blocks)
-// products of up to this many rows decode the codes in registers (at 3-4 rows that measured even
-// with the buffer for the layers' shapes and slower for the LM head: bench_gemm)
-constexpr int64_t kDirectRows = 2;
+// products of up to this many rows decode the codes in registers, no buffer (AVX2: at 3-4 rows that
+// measured even with the buffer for the layers' shapes and slower for the LM head; AVX-512, up to
+// a block's rows: 1.1-2.4x the fp32 kernel at 3-8 rows for qkv and gate_up, where the buffer path
+// made 0.66-1.3x: bench_gemm)
+constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
 #if TERCET_GEMM
 constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
 // Panels per call of the direct code paths, by rows: AVX2 8 accumulator chains for one row and two;
 // AVX-512 4 for one row (8 panels split 576 columns unevenly between two threads and measured no
-// faster) and 8 for two
-constexpr int kDirectPanels[2] = {4, 8 / kVecs / 2};
+// faster), 8 for two, and a block's 3 panels from three rows up
+constexpr int direct_panels(int rows) { return rows == 1 ? 4 : rows == 2 ? 8 / kVecs / 2 : kPanels; }
 // The rows' inputs: read in place on AVX-512 (grouping them measured 5-20 % slower at 1-8 rows),
 // grouped by kRows, interleaved [k][kRows], on AVX2 (one stream for the broadcasts; in place
 // measured 15-25 % slower at 8-32 rows). Row r's input i at xr[r][i * kStep].
@@ -244,7 +246,7 @@ void decode_panels(const int8_t* codes, const float* scales, const float* offset
 
 // R rows (as block's x) against P panels straight from their codes, no buffer: R * P *
 // kVecs accumulator chains (enough to hide the FMA latency), each output one sum over k in order,
-// as block's. For one- and two-row products (decode at concurrency 1-2), where decoding into a
+// as block's. For products of a few rows (decode at low concurrency), where decoding into a
 // buffer and reading it back costs as much as the weights' bytes save (1.4-2.2x, bench_gemm).
 // Panels past `count` repeat panel 0 (computed, not stored).
 template <int R, int P>
@@ -282,6 +284,17 @@ void direct(const float* x, int64_t ldx, const int8_t* codes, const float* scale
   }
   store_rows<R, V>(c, y, ldc, cols, bias);
 }
+#endif
+
+#if TERCET_GEMM
+using DirectFn = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float*,
+                          int64_t, int64_t, const float*);
+template <int... R>
+constexpr std::array<DirectFn, kDirectRows> directs_of(std::integer_sequence<int, R...>) {
+  return {&direct<R + 1, direct_panels(R + 1)>...};
+}
+// kDirect[rows - 1]
+constexpr auto kDirect = directs_of(std::make_integer_sequence<int, kDirectRows>());
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -390,7 +403,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 #if TERCET_GEMM
   if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes
     const int64_t m = x.size(0), sstride = (k / kGroup) * kPanel;
-    const int64_t width = kDirectPanels[m - 1];
+    const int64_t width = direct_panels(static_cast<int>(m));
     const auto rows_in = block_rows_of(x);
     const float* a = rows_in.data_ptr<float>();
     auto y = at::empty({m, n}, x.options());
@@ -401,10 +414,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
         const int64_t cols = std::min(count * kPanel, n - p * kPanel);
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
         const int8_t* pc = c + p * k * kPanel;
-        if (m == 1)
-          direct<1, kDirectPanels[0]>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
-        else
-          direct<2, kDirectPanels[1]>(a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
+        kDirect[m - 1](a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
       }
     });
     return y;
