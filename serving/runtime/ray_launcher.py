@@ -14,8 +14,14 @@ path) and tercet's supervision the authority: ``RayReplica``, a supervisor
 child per replica in the front end, starts the actor, reports its death at
 once (the replica is down: its requests move to the others) and the
 addresses of each new incarnation (watched as any remote replica, it
-rejoins when it answers). Only this module imports Ray, and only a
-topology with ``server.launcher: ray`` imports this module.
+rejoins when it answers). Any error of Ray's starting or watching an actor
+(``RayTaskError`` when the replica cannot start on that node, its actor or
+node dead, a placement refused) is that replica's failure, never the front
+end's: it is reported down, its actor is killed (so it holds no GPU while
+another starts), and a new one is tried, after a longer wait each time it
+fails to start. Actor arguments are kept in Ray's GCS, readable across the
+cluster: the topology sent holds no API key. Only this module imports Ray,
+and only a topology with ``server.launcher: ray`` imports this module.
 """
 
 from __future__ import annotations
@@ -29,18 +35,19 @@ from typing import Any
 import msgspec
 import ray
 import trio
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors import ChildSpec
 
 from .replicas import run_replica
 from .topology import Topology
 
-__all__ = ["RayReplica", "ReplicaActor", "ray_specs"]
+__all__ = ["RayReplica", "ReplicaActor", "ray_specs", "replica_topology"]
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 1.0  # between two tries to start a replica whose actor Ray is restarting
+RETRY_S = 1.0  # between an actor's end and the next one's start; doubled after each failed start...
+RETRY_MAX_S = 30.0  # ...up to this
 
 
 class ReplicaActor:
@@ -105,10 +112,17 @@ def _fill(value: Any, placeholder: str, text: str) -> Any:
     return value
 
 
+def replica_topology(topology: Topology) -> dict[str, Any]:
+    """What an actor needs to run a replica, as plain data: the topology without the server's
+    API keys (actor arguments are stored in Ray's GCS, which anyone on the cluster can read)."""
+    server = msgspec.structs.replace(topology.server, api_key=None, admin_api_key=None)
+    return msgspec.to_builtins(msgspec.structs.replace(topology, server=server))
+
+
 class RayReplica:
-    """A supervisor child in the front end: replica ``index`` as a Ray actor, kept running.
-    ``on_started(index, addresses)`` hears each incarnation's addresses (and its node),
-    ``on_lost(index, cause)`` each death."""
+    """A supervisor child in the front end: replica ``index`` as a Ray actor, kept running, one
+    actor at a time. ``on_started(index, addresses)`` hears each incarnation's addresses (and its
+    node), ``on_lost(index, cause)`` each death or failed start."""
 
     def __init__(self, topology: Topology, index: int, on_started: Callable[[int, dict[str, str]], None],
                  on_lost: Callable[[int, str], None]) -> None:
@@ -117,28 +131,56 @@ class RayReplica:
         self.on_started = on_started
         self.on_lost = on_lost
         self.actor: Any = None
+        self._stopping = trio.Event()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await trio.to_thread.run_sync(_connect, self.topology.server.ray_address)
+        task_status.started(self)
+        delay = RETRY_S
+        try:
+            while not self._stopping.is_set():
+                served = await self._incarnation()
+                delay = RETRY_S if served else min(2 * delay, RETRY_MAX_S)
+                with trio.move_on_after(delay):
+                    await self._stopping.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._kill()
+
+    async def _incarnation(self) -> bool:
+        """One actor: made, started, watched to its end, killed. Whether it served."""
+        try:
+            try:
+                self.actor = self._new_actor()
+                addresses = await trio.to_thread.run_sync(ray.get, self.actor.start.remote(), abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - any Ray error (RayTaskError: it could not start there)
+                self.on_lost(self.index, f"replica {self.index} could not start on Ray: {_cause(exc)}")
+                return False
+            log.info("replica %d runs on Ray node %s", self.index, addresses["node"])
+            self.on_started(self.index, addresses)
+            try:
+                ended = await trio.to_thread.run_sync(ray.get, self.actor.wait.remote(), abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - its process or its node died (RayActorError), or worse
+                ended = f"replica {self.index}'s Ray actor died: {_cause(exc)}"
+            self.on_lost(self.index, ended or f"replica {self.index} ended")
+            return True
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._kill()  # before another starts: it holds its resources (GPUs) until it is gone
+
+    def _new_actor(self) -> Any:
         resources = dict(self.topology.replica_placements()[self.index].scheduler.resources)
         options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0),
-                   "resources": resources, "max_restarts": -1, "max_task_retries": 0, "max_concurrency": 4}
-        self.actor = ray.remote(ReplicaActor).options(**options).remote(msgspec.to_builtins(self.topology),
-                                                                         self.index)
-        task_status.started(self)
-        while True:
-            try:
-                addresses = await trio.to_thread.run_sync(ray.get, self.actor.start.remote(), abandon_on_cancel=True)
-                log.info("replica %d runs on Ray node %s", self.index, addresses["node"])
-                self.on_started(self.index, addresses)
-                ended = await trio.to_thread.run_sync(ray.get, self.actor.wait.remote(), abandon_on_cancel=True)
-                self.on_lost(self.index, ended or f"replica {self.index} ended")
-                await trio.to_thread.run_sync(ray.kill, self.actor, False)  # Ray starts it afresh
-            except RayActorError as exc:  # its process or its node died: Ray restarts it where it can
-                self.on_lost(self.index, f"replica {self.index}'s Ray actor died: {type(exc).__name__}")
-            await trio.sleep(RETRY_S)
+                   "resources": resources, "max_restarts": 0, "max_task_retries": 0, "max_concurrency": 4}
+        return ray.remote(ReplicaActor).options(**options).remote(replica_topology(self.topology), self.index)
+
+    async def _kill(self) -> None:
+        actor, self.actor = self.actor, None
+        if actor is not None:
+            await trio.to_thread.run_sync(_kill, actor)
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self.actor is not None:
             with trio.move_on_after(60):
                 await trio.to_thread.run_sync(_end, self.actor, abandon_on_cancel=True)
@@ -150,11 +192,25 @@ def _connect(address: str | None) -> None:
 
 
 def _end(actor: Any) -> None:
+    """Ask the replica to stop (its children end cleanly), then kill its actor."""
     try:
         ray.get(actor.stop.remote(), timeout=60)
-    except (RayActorError, ray.exceptions.GetTimeoutError):
+    except (RayActorError, GetTimeoutError):
         pass
-    ray.kill(actor, no_restart=True)
+    _kill(actor)
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - gone already, or Ray cannot say: nothing more to do
+        log.debug("ray.kill: %s", _cause(exc))
+
+
+def _cause(exc: BaseException) -> str:
+    """One line for a Ray error (a RayTaskError carries the actor's whole traceback)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1][:500]}" if text else type(exc).__name__
 
 
 def ray_specs(topology: Topology, on_started: Callable[[int, dict[str, str]], None],
