@@ -6,8 +6,8 @@ asking for the resources its scheduler's placement names (``CPU``, ``GPU``,
 custom ones); the actor runs the replica there (``run_replica``: its
 scheduler and detokenizer in child processes of the actor's worker, which
 exit when it dies) and says where they listen (``{node_ip}`` in an address
-is the node's). Ray restarts an actor whose process or node died, on any
-node with the resources.
+is the node's). An actor whose process or node died is replaced by a new
+one, which Ray places on any node with the resources.
 
 tercet's transports stay the data plane (no Ray object store on the token
 path) and tercet's supervision the authority: ``RayReplica``, a supervisor
