@@ -95,16 +95,20 @@ async def server_info(request: Request, state: ServerState) -> Response:
 
 
 SECRETS = ("api_key", "admin_api_key", "secret_key", "curve")
+OPAQUE = ("args",)  # a placement's arguments for a custom actor: anything, a token among them
 
 
 def without_secrets(value: Any) -> Any:
-    """``value`` (plain data) with every key that names a secret masked."""
+    """``value`` (plain data) with every key that names a secret, or opaque arguments, masked."""
     if isinstance(value, dict):
-        return {k: ("***" if v is not None and any(word in k for word in SECRETS) else without_secrets(v))
-                for k, v in value.items()}
+        return {k: ("***" if _masked(k, v) else without_secrets(v)) for k, v in value.items()}
     if isinstance(value, list):
         return [without_secrets(v) for v in value]
     return value
+
+
+def _masked(key: str, value: Any) -> bool:
+    return (value is not None and any(word in key for word in SECRETS)) or (key in OPAQUE and bool(value))
 
 
 class AbortBody(msgspec.Struct):

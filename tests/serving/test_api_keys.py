@@ -3,6 +3,7 @@ from the command line, where every local user reads them (``/proc/PID/cmdline``)
 
 import logging
 
+import msgspec
 import pytest
 
 from serving.cli import main, parser, topology_from
@@ -57,3 +58,18 @@ def test_a_missing_key_file_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["serve", "--model", "tiny", "--api-key-file", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tercet: --api-key-file: cannot read") and "No such file" in err and err.count("\n") == 1
+
+
+def test_server_info_masks_the_keys_and_a_custom_actors_arguments(tmp_path):
+    from serving.http.admin import without_secrets
+
+    (tmp_path / "key").write_text("s3cret-key\n")
+    topology = topology_from(serve_args("--api-key-file", str(tmp_path / "key")), {"TERCET_ADMIN_API_KEY": "adm1n-k3y"})
+    data = msgspec.to_builtins(msgspec.structs.replace(topology, actors=msgspec.structs.replace(
+        topology.actors, scheduler=msgspec.structs.replace(topology.actors.scheduler, args={"token": "t0k3n"}))))
+    shown = without_secrets(data)
+    text = msgspec.json.encode(shown)
+    assert b"s3cret-key" not in text and b"adm1n-k3y" not in text and b"t0k3n" not in text
+    assert shown["server"]["api_key"] == shown["actors"]["scheduler"]["args"] == "***"
+    assert shown["actors"]["detokenizer"]["args"] == {}  # (nothing to hide: shown as it is)
+    assert shown["model"] == data["model"]
