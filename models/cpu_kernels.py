@@ -32,12 +32,14 @@ does not load (truncated, corrupt) is built again. Where they cannot be built
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -96,9 +98,12 @@ def _load_cached(target: Path) -> bool:
     if why is None:
         try:
             torch.ops.load_library(str(target))
-            return True
         except OSError as e:  # truncated, not a library, or built against another torch
             why = f"{target} does not load ({e})"
+        else:
+            with contextlib.suppress(OSError):
+                os.utime(target)  # in use: not pruned (`_prune`)
+            return True
     log.warning("rebuilding the tercet CPU kernels: %s", why)
     target.unlink(missing_ok=True)  # (another process may have done it first)
     return False
@@ -125,11 +130,24 @@ def _build(target: Path) -> None:
         built = scratch / f"{target.stem}.so"
         os.chmod(built, 0o755)  # no group or other write bit, whatever the umask: trusted when read back
         os.replace(built, target)  # readers see all of it or nothing
-        for old in target.parent.glob("tercet_cpu_*.so"):  # builds of older sources or flags
-            if old != target:
-                old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
+        _prune(target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+UNUSED_S = 30 * 86400  # a build no process loaded for this long is removed at the next build
+
+
+def _prune(keep: Path) -> None:
+    """Remove the builds beside ``keep`` that no process loaded for ``UNUSED_S`` (older sources or
+    flags). Not every other one: two torch versions, or two machines sharing the cache, would
+    each remove the other's build and compile again at every start."""
+    for old in keep.parent.glob("tercet_cpu_*.so"):
+        try:
+            if old != keep and time.time() - old.stat().st_mtime > UNUSED_S:
+                old.unlink()  # a process that loaded it keeps its mapping
+        except OSError:
+            pass  # (another process removed it first)
 
 
 def _digest() -> str:

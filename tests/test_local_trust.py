@@ -268,3 +268,14 @@ async def test_a_child_process_does_not_import_from_the_working_directory(tmp_pa
 def test_import_path_keeps_absolute_entries_once():
     assert import_path(None) == str(ROOT)
     assert import_path(f"{ROOT}{os.pathsep}/x{os.pathsep}{os.pathsep}y") == f"{ROOT}{os.pathsep}/x"
+
+
+def test_only_builds_unused_for_a_month_are_pruned(tmp_path):
+    """Two torch versions (or machines) sharing a cache keep each other's builds (N20)."""
+    keep, recent, stale = (tmp_path / f"tercet_cpu_{name}.so" for name in ("new", "other", "old"))
+    for f in (keep, recent, stale):
+        f.write_bytes(b"so")
+    month_ago = os.stat(stale).st_mtime - cpu_kernels.UNUSED_S - 60
+    os.utime(stale, (month_ago, month_ago))
+    cpu_kernels._prune(keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [keep.name, recent.name]
