@@ -144,11 +144,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 #if TERCET_BF16_GEMM
   if (m == 0) return y;
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  // x's rows as pairs of inputs (32-bit words), read in place; an odd K's rows copied with a zero after
+  // x's rows as pairs of inputs (32-bit words), read in place; copied where K is odd (each row's last
+  // pair padded with a zero) or x starts between two words (a view at an odd offset)
   const auto xin = x.contiguous();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xin.data_ptr<at::BFloat16>());
   std::vector<uint32_t> padded;
-  if (k % 2 != 0) {
+  if (k % 2 != 0 || reinterpret_cast<uintptr_t>(xp) % alignof(uint32_t) != 0) {
     padded.resize(static_cast<size_t>(m * pairs));
     const auto* src = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
     for (int64_t r = 0; r < m; ++r)

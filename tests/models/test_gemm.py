@@ -116,6 +116,9 @@ def test_bf16_kernel_gives_each_row_its_bits_alone_in_any_batch(bf16, out_featur
         assert torch.equal(cpu_kernels.bf16_linear(x[start:stop], packed, out_features, bias), whole[start:stop])
     alone = torch.cat([cpu_kernels.bf16_linear(x[r : r + 1], packed, out_features, bias) for r in range(200)])
     assert torch.equal(alone, whole)
+    odd = torch.empty(200 * k + 1, dtype=torch.bfloat16)[1:].view(200, k)  # starts between two 32-bit words
+    odd.copy_(x)
+    assert torch.equal(cpu_kernels.bf16_linear(odd, packed, out_features, bias), whole)
     if k == 1536:  # the control: another summation order differs somewhere (rounding to bf16 hides most)
         control = (halves_summed(x, weight).float() + bias.float()).bfloat16()
         assert not torch.equal(control, cpu_kernels.bf16_linear(x, packed, out_features, bias))
