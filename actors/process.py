@@ -28,6 +28,7 @@ import importlib
 import logging
 import os
 import signal
+import site
 import subprocess
 import sys
 import traceback
@@ -108,7 +109,8 @@ class ProcessChild:
         ready_read, ready_write = os.pipe()
         spec = _Spec(self.target, self.args, os.getpid(), self.name, logging.getLogger().level, self.hub)
         env = dict(os.environ if self.env is None else self.env)
-        env["PYTHONPATH"] = import_path(env.get("PYTHONPATH"))
+        if path := import_path(env.pop("PYTHONPATH", None)):
+            env["PYTHONPATH"] = path
         try:
             self.process = process = await trio.lowlevel.open_process(
                 # -P: the working directory is not put first on sys.path (a module planted in a
@@ -140,13 +142,22 @@ class ProcessChild:
                 await _terminate(process, self.kill_after, self.name)
 
 
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # where ``actors`` (and its siblings) are
+def _package_root() -> str | None:
+    """Where ``actors`` and its siblings are (a source checkout: its test and custom actors too),
+    unless that is a site-packages directory, which the child has anyway (and which, put on
+    PYTHONPATH, would come before the standard library)."""
+    root = Path(__file__).resolve().parents[1]
+    sites = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    return None if root in sites else str(root)
+
+
+PACKAGE_ROOT = _package_root()
 
 
 def import_path(inherited: str | None) -> str:
     """A child's PYTHONPATH: the directory tercet's packages are in, then the absolute entries
     inherited (a relative or empty one would mean the working directory)."""
-    entries = [PACKAGE_ROOT, *(inherited or "").split(os.pathsep)]
+    entries = [PACKAGE_ROOT or "", *(inherited or "").split(os.pathsep)]
     return os.pathsep.join(dict.fromkeys(e for e in entries if os.path.isabs(e)))
 
 

@@ -279,3 +279,13 @@ def test_only_builds_unused_for_a_month_are_pruned(tmp_path):
     os.utime(stale, (month_ago, month_ago))
     cpu_kernels._prune(keep)
     assert sorted(p.name for p in tmp_path.iterdir()) == [keep.name, recent.name]
+
+
+def test_an_installed_package_adds_nothing_before_the_standard_library(monkeypatch):
+    import site
+
+    from actors import process
+
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(ROOT)])  # as if installed there
+    monkeypatch.setattr(process, "PACKAGE_ROOT", process._package_root())
+    assert process.PACKAGE_ROOT is None and import_path("/x") == "/x" and import_path(None) == ""
