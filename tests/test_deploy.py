@@ -228,7 +228,8 @@ def test_pods_run_unprivileged_on_a_read_only_root(objects, workload):
     spec = pod_spec(objects, workload)
     assert spec["automountServiceAccountToken"] is False
     pod = spec["securityContext"]
-    assert pod["runAsNonRoot"] is True and pod["runAsUser"] >= 10000 and pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] >= 10000
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
     c = container(objects[workload])["securityContext"]
     assert c["runAsNonRoot"] is True and c["allowPrivilegeEscalation"] is False and c["privileged"] is False
     assert c["readOnlyRootFilesystem"] is True and c["capabilities"] == {"drop": ["ALL"]}
