@@ -120,8 +120,8 @@ class CausalLM:
         self.invariant, self.fused = invariant, fused
         self.invariant_paths: dict[str, int] = {}  # how many projections are invariant by which path
         self.upcast = upcast and dtype == torch.bfloat16  # see Linear
-        # tercet's fp32 projection kernel (see Linear); None: where it pays on this machine
-        self.kernel = probes.kernel_pays(dtype, self.device) if kernel is None else kernel
+        # tercet's projection kernel (fp32 or bf16, projections.py); None: where it pays on this machine
+        self.kernel = (probes.kernel_pays(dtype, self.device) and not self.upcast) if kernel is None else kernel
         # else prepacked oneDNN weights (see Linear); None: where they pay on this machine
         self.packed = probes.packing_pays(dtype, self.device) and not self.upcast if packed is None else packed
         self.packed = self.packed and not self.kernel

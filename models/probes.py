@@ -50,28 +50,42 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
 
 @functools.lru_cache(maxsize=None)
 def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> bool:
-    """Whether tercet's own fp32 projection kernel (`Linear(kernel=True)`, cpu_kernels.packed_linear,
-    AVX2 + FMA) serves this machine: it is built, gives `F.linear`'s products within fp32
-    rounding at 1 to 200 rows, and is faster over 1, 8 and 64 rows than what serves otherwise
-    (oneDNN's prepacked weights where they pay, else `F.linear`) -- or not clearly slower (`SLOWER`)."""
-    if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.packed_linear_available():
+    """Whether tercet's own projection kernel for `dtype` (`Linear(kernel=True)`: fp32 panels,
+    cpu_kernels.packed_linear, AVX-512 or AVX2 + FMA; bf16 panels, cpu_kernels.bf16_linear,
+    AVX512_BF16) serves this machine: it is built, gives `F.linear`'s products within rounding
+    (fp32: of fp32; bf16: of one bf16 rounding of the fp32 product) at 1 to 200 rows, and over 1,
+    8 and 64 rows is not clearly slower (`SLOWER`) than what serves otherwise (oneDNN's prepacked
+    weights where they pay, else `F.linear`). It is batch-invariant by construction."""
+    if device.type != "cpu":
+        return False
+    built = {torch.float32: cpu_kernels.packed_linear_available, torch.bfloat16: cpu_kernels.bf16_linear_available}
+    if dtype not in built or not built[dtype]():
         return False
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(shape, generator=generator)
-    bias = torch.randn(shape[0], generator=generator)
+    weight = torch.randn(shape, generator=generator).to(dtype)
+    bias = torch.randn(shape[0], generator=generator).to(dtype)
     ours, other = Linear(weight, kernel=True), Linear(weight, packed=packing_pays(dtype, device))
     for rows in (1, 7, 32, 64, 200):
-        x = torch.randn(rows, shape[1], generator=generator)
-        if not (_same_product(ours(x), F.linear(x, weight))
-                and _same_product(Linear(weight, bias, kernel=True)(x), F.linear(x, weight, bias))):
+        x = torch.randn(rows, shape[1], generator=generator).to(dtype)
+        if not (_close_product(ours(x), x, weight, None) and _close_product(Linear(weight, bias, kernel=True)(x),
+                                                                              x, weight, bias)):
+            log.warning("tercet's %s projection kernel gives other products than F.linear here: not used", dtype)
             return False
     mine, theirs = _summed_seconds(ours, other, shape[1], dtype, generator)
     # the kernel serves unless clearly slower: a moment of a busy host must not drop it
     serves = mine <= SLOWER * theirs
-    log.info("tercet's fp32 projection kernel %s: %.0f us vs %.0f us for %s over 1, 8 and 64 rows",
+    log.info("tercet's %s projection kernel %s: %.0f us vs %.0f us for %s over 1, 8 and 64 rows", dtype,
              "serves" if serves else "not used, clearly slower", mine * 1e6, theirs * 1e6,
              "oneDNN's prepacked weights" if other.packed is not None else "F.linear")
     return serves
+
+
+def _close_product(ours: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """fp32: `_same_product` with F.linear; bf16: within one bf16 rounding of the fp32 product."""
+    if ours.dtype == torch.float32:
+        return _same_product(ours, F.linear(x, weight, bias))
+    exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return bool((ours.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max().clamp_min(1.0))
 
 
 # Rows at which `onednn_invariant` compares products: oneDNN and MKL pick kernels by the number

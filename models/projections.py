@@ -5,7 +5,8 @@
   kept too for products of `DENSE_ROWS` rows or more;
 - `PanelLinear`: tercet's fp32 kernel's panels (`cpu_kernels.packed_linear`);
 - `BlockCodeLinear`: the same kernel over a W that is exactly GGUF block codes, kept as int8 codes
-  with per-block d and m (`cpu_kernels.block_linear`): the panels' bits, a third of the bytes.
+  with per-block d and m (`cpu_kernels.block_linear`): the panels' bits, a third of the bytes;
+- `Bf16PanelLinear`: tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`).
 
 `Linear(...)` picks the class. Which storage pays on a machine is timed at start-up in
 `probes.py`; why, with the figures measured, is in docs/cpu-performance.md.
@@ -136,6 +137,26 @@ class BlockCodeLinear(Projection):
         return cpu_kernels.block_linear(x, *self.codes, self.out_features, bias)
 
 
+class Bf16PanelLinear(Projection):
+    """tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`): W in panels of 16 output
+    columns with k in pairs, one fp32 sum per output over the k pairs in order, rounded to bf16
+    once: invariant by itself."""
+
+    invariant_by_itself = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape, bias)
+        self.panels = cpu_kernels.pack_bf16_weight(weight)
+
+    def dense(self) -> torch.Tensor:  # [P, K/2, 32] = 16 columns x 2 k per pair -> [N, K]
+        p, pairs, _ = self.panels.shape
+        w = self.panels.view(p, pairs, 16, 2).permute(0, 2, 1, 3).reshape(p * 16, pairs * 2)
+        return w[: self.out_features, : self.shape[1]].contiguous()
+
+    def _product(self, x, bias):
+        return cpu_kernels.bf16_linear(x, self.panels, self.out_features, bias)
+
+
 def _unpanel(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """[P, K, 16] -> [P * 16, K], less the padding."""
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features].contiguous()
@@ -143,9 +164,11 @@ def _unpanel(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def Linear(weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,  # noqa: N802 - a factory
            keep_dense: bool = False, kernel: bool = False, codes: bool = False) -> Projection:
-    """The projection for W: tercet's kernel (`kernel`; over block codes with `codes` where W is
-    exactly such codes, else its fp32 panels), oneDNN's prepacked W (`packed`, the plain W kept
-    too with `keep_dense`), or W as it is."""
+    """The projection for W: tercet's kernel (`kernel`: bf16 panels for a bf16 W; for fp32 block
+    codes with `codes` where W is exactly such codes, else fp32 panels), oneDNN's prepacked W
+    (`packed`, the plain W kept too with `keep_dense`), or W as it is."""
+    if kernel and weight.dtype == torch.bfloat16:
+        return Bf16PanelLinear(weight, bias)
     if kernel:
         found = cpu_kernels.pack_block_codes(weight) if codes else []  # [] where W is not exactly codes
         return BlockCodeLinear(found, weight.shape[0], bias) if found else PanelLinear(weight, bias)

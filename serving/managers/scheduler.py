@@ -86,8 +86,8 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
                          deterministic=deterministic)
     projections = runner.model.projections()
     coded = sum(lin.codes is not None for lin in projections)
-    gemm = (f", tercet's fp32 GEMM ({coded} of {len(projections)} projections as GGUF block codes)"
-            if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
+    gemm = (f", tercet's {str(runner.dtype).removeprefix('torch.')} GEMM ({coded} of {len(projections)} projections "
+            "as GGUF block codes)" if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
     log.info("model runner: %s (dtype %s), %s, %d threads%s%s; deterministic inference %s", runner.dtype,
              config.dtype, runner.device, torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm,
              _described(runner.invariance()) if runner.deterministic else "off")

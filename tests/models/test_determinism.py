@@ -33,6 +33,7 @@ CPU = torch.device("cpu")
 # (dtype, projection path) pairs; `pin` makes the runner take that path
 PATHS = [
     pytest.param(torch.float32, "kernel", id="fp32-kernel"),
+    pytest.param(torch.bfloat16, "kernel", id="bf16-kernel"),
     pytest.param(torch.float32, "codes", id="fp32-codes"),
     pytest.param(torch.float32, "onednn", id="fp32-onednn"),
     pytest.param(torch.bfloat16, "onednn", id="bf16-onednn"),
@@ -49,8 +50,10 @@ def pin(monkeypatch):
     """pin(dtype, path, model) -> the model to run, with the runner made to take `path`."""
     def pin(dtype, path, model):
         if path in ("kernel", "codes"):
-            if not cpu_kernels.packed_linear_available():
+            if dtype == torch.float32 and not cpu_kernels.packed_linear_available():
                 pytest.skip("this build has no fp32 projection kernel (no AVX2 + FMA)")
+            if dtype == torch.bfloat16 and not cpu_kernels.bf16_linear_available():
+                pytest.skip("this CPU has no bf16 kernel (no AVX512_BF16)")
             monkeypatch.setattr(probes, "kernel_pays", lambda *a: True)
         else:
             monkeypatch.setattr(probes, "kernel_pays", lambda *a: False)

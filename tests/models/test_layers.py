@@ -57,6 +57,7 @@ def test_plain_copies_stay_within_their_memory_budget(tiny_llama, monkeypatch):
     from models import layers, probes
 
     monkeypatch.setattr(probes, "dense_pays", lambda *shape: True)
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a: False)  # oneDNN's prepacked weights, pinned
     o = tiny_llama.config.hidden_size * tiny_llama.config.hidden_size * 2  # bytes of one bf16 o_proj
     monkeypatch.setattr(layers, "DENSE_BUDGET_BYTES", o)  # room for exactly one plain copy
     model = ModelRunner(tiny_llama, dtype=torch.bfloat16).model
@@ -108,7 +109,8 @@ def test_packing_pays_on_a_cpu_with_bf16_units():
 
 
 def test_the_runner_packs_where_it_pays(tiny_llama):
-    assert ModelRunner(tiny_llama, dtype=torch.bfloat16).model.packed == packing_pays(torch.bfloat16, CPU)
+    bf16 = ModelRunner(tiny_llama, dtype=torch.bfloat16).model
+    assert bf16.packed == (packing_pays(torch.bfloat16, CPU) and not bf16.kernel)  # tercet's kernel first
     fp32 = ModelRunner(tiny_llama, dtype=torch.float32).model
     assert fp32.packed == (packing_pays(torch.float32, CPU) and not fp32.kernel)  # tercet's kernel first
     assert not ModelRunner(tiny_llama, dtype=torch.float16).model.packed
@@ -146,9 +148,27 @@ def test_a_kernel_projection_gives_f_linear_products_and_its_dense_weight():
 def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
     from models.probes import kernel_pays
 
-    model = ModelRunner(tiny_llama, dtype=torch.float32).model
-    assert model.kernel == kernel_pays(torch.float32, CPU) and not (model.kernel and model.packed)
-    assert not ModelRunner(tiny_llama, dtype=torch.bfloat16).model.kernel  # fp32 only
+    for dtype in (torch.float32, torch.bfloat16):  # fp32 panels; bf16 panels where the CPU has AVX512_BF16
+        model = ModelRunner(tiny_llama, dtype=dtype).model
+        assert model.kernel == kernel_pays(dtype, CPU) and not (model.kernel and model.packed)
+    assert not ModelRunner(tiny_llama, dtype=torch.float16).model.kernel
+
+
+def test_a_bf16_kernel_projection_gives_f_linear_products_within_rounding_and_its_dense_weight():
+    from models import cpu_kernels
+
+    if not cpu_kernels.bf16_linear_available():
+        pytest.skip("no AVX512_BF16 kernel on this machine")
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 81, generator=generator).bfloat16()  # a partial panel, an odd K
+    bias = torch.randn(40, generator=generator).bfloat16()
+    x = torch.randn(33, 81, generator=generator).bfloat16()
+    for b in (None, bias):
+        lin = Linear(weight, b, kernel=True)
+        assert lin.invariant_by_itself and lin.packed is None and torch.equal(lin.dense(), weight)
+        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(lin(x).float(), exact, rtol=2**-7, atol=2**-7 * exact.abs().max().item())
+        assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(33)]), lin(x))  # row by row: the same bits
 
 
 def test_a_gguf_weight_is_kept_as_block_codes_with_the_same_products_and_dense_weight():
