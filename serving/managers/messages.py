@@ -171,6 +171,8 @@ class GenerateReqId(msgspec.Struct, tag="GenerateReq", array_like=True, gc=False
     return_logprob: Any = None
     top_logprobs_num: Any = None
     worker: Any = 0  # an int, when the refused message's is
+    num_prior_output: Any = 0
+    replaces: Any = None  # a str, when the refused message's is: the incarnation it was to replace
 
 
 class WireCheck:

@@ -259,6 +259,9 @@ class Scheduler(Actor):
         log.warning("request %s refused on receipt: %s", refused.rid, detail)
         if refused.rid in self.state.by_rid:  # a message that is not the one running: that one goes on
             return
+        replaced = refused.replaces
+        if isinstance(replaced, str) and replaced in self.state.by_rid:  # what it was to replace ends too
+            self._end(self.state.abort(replaced, FinishReason("abort", message="its resume was refused")))
         self._end(self.state.refuse(refused, FinishReason(
             "abort", status_code=400, message=f"the scheduler refused this request: {wire_field(detail)}")))
 

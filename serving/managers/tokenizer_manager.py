@@ -492,6 +492,8 @@ class TokenizerManager(Actor):
             log.error("request %s cannot be sent: %s", state.rid, problem)
             self._unassign(state)
             state.end(FinishReason("abort", status_code=400, message=f"{problem} (this request cannot be sent)"))
+            if replaces is not None:  # the incarnation it was to replace may still run there
+                await self.ctx.send(self.schedulers[replica], AbortReq(replaces, "its resume cannot be sent"))
             return
         await self.ctx.send(self.schedulers[replica], request)
 

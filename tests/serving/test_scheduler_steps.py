@@ -101,3 +101,25 @@ def test_the_journal_keeps_the_last_step_until_the_next_and_a_restart_leaves_it(
     assert read_step(path) == set()
     assert journal_path("ipc:///run/tercet-x/scheduler") == "/run/tercet-x/scheduler.step"
     assert journal_path("inproc://scheduler") is None and journal_path("tcp://10.0.0.2:5000") is None
+
+
+def test_a_refused_resume_ends_its_rid_and_the_incarnation_it_was_to_replace():
+    import numpy as np
+
+    from actors.actor import mailbox_decoder
+    from serving.managers.messages import GenerateReq, GenerateReqId, SamplingParams, SchedulerInbox
+    from transports import CodecError, Encoder
+
+    refused = GenerateReq("r#0.2", np.array([1, 2], dtype=np.int32), SamplingParams(seed=2**63), worker=3,
+                          num_prior_output=1, replaces="r#0.1")
+    with pytest.raises(CodecError) as error:
+        mailbox_decoder(SchedulerInbox, GenerateReqId).decode(Encoder().encode(refused))
+    salvaged = error.value.salvaged
+    assert (salvaged.rid, salvaged.worker, salvaged.replaces) == ("r#0.2", 3, "r#0.1")
+    s = scheduler(FakeRunner())
+    s.state.by_rid = {"r#0.1": object()}
+    s.state.refuse = lambda msg, reason: SimpleNamespace(rid=msg.rid, reason=reason)
+    s._refused(salvaged, error.value.detail)
+    assert [o.rid for o in s._pending] == ["r#0.1", "r#0.2"]
+    end = s._pending[1].reason
+    assert end.status_code == 400 and "sampling_params.seed" in end.message, end
