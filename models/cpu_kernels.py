@@ -10,7 +10,7 @@
   one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
 - `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass;
 - `pack_linear_weight` / `packed_linear`: fp32 projections (AVX-512 or AVX2 + FMA, the same bits)
-  over weights packed at load (`layers.Linear(kernel=True)`, where `layers.kernel_pays`), batch-invariant;
+  over weights packed at load (`projections.Linear(kernel=True)`, where `probes.kernel_pays`), batch-invariant;
 - `pack_block_codes` / `block_linear`: the same products for weights that are exactly GGUF
   block codes (Q4_1, Q8_0 dequantized at load), kept as int8 codes: a third of the bytes read;
 - `pack_bf16_weight` / `bf16_linear`: bf16 projections with AVX512_BF16's vdpbf16ps (CPUs that have

@@ -121,9 +121,14 @@ class CausalLM:
         self.invariant_paths: dict[str, int] = {}  # how many projections are invariant by which path
         self.upcast = upcast and dtype == torch.bfloat16  # see Linear
         # tercet's projection kernel (fp32 or bf16, projections.py); None: where it pays on this machine
-        self.kernel = (probes.kernel_pays(dtype, self.device) and not self.upcast) if kernel is None else kernel
+        # (in the deterministic mode chosen by what the CPU has, never by a timing that could flip
+        # between a scheduler and its restart: the restart must give a resumed stream the same bits)
+        timed = not invariant
+        self.kernel = (probes.kernel_pays(dtype, self.device, timed=timed) and not self.upcast
+                       if kernel is None else kernel)
         # else prepacked oneDNN weights (see Linear); None: where they pay on this machine
-        self.packed = probes.packing_pays(dtype, self.device) and not self.upcast if packed is None else packed
+        self.packed = (probes.packing_pays(dtype, self.device, timed=timed) and not self.upcast
+                       if packed is None else packed)
         self.packed = self.packed and not self.kernel
         # with the kernel, weights that are exactly block codes (a GGUF's Q4_1 / Q8_0, dequantized) are
         # kept so: the same products, a third of the bytes (Linear; batch 1 32.8 -> 50.4 tok/s here)

@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
-def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> bool:
+def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576), timed: bool = True) -> bool:
     """Whether prepacked weights (`Linear(packed=True)`) serve this machine: on CPU, in bf16 or
     fp32, when the oneDNN op exists, gives `F.linear`'s products at 1 to 200 rows (bf16: its bits,
     both being oneDNN's; fp32: within fp32 rounding, `F.linear` being MKL's sgemm), and is not
-    slower over 1, 8 and 64 rows (timed on a weight of `shape`, a few ms; decided once per process)."""
+    slower over 1, 8 and 64 rows (timed on a weight of `shape`, a few ms; decided once per process).
+    Not `timed`: wherever it works (the deterministic mode: a choice that a timing could flip
+    between a scheduler and its restart would change a resumed stream's bits)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not torch.backends.mkldnn.is_available():
@@ -40,6 +42,8 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
             for ours, theirs in ((linear(x), F.linear(x, weight)), (biased(x), F.linear(x, weight, bias))):
                 if not _same_product(ours, theirs):
                     return False
+        if not timed:
+            return True
         packed, plain = _summed_seconds(linear, lambda x: F.linear(x, weight), shape[1], dtype, generator)
         log.info("oneDNN's prepacked %s weights %s: %.0f us vs %.0f us for F.linear over 1, 8 and 64 rows", dtype,
                  "serve" if packed <= SLOWER * plain else "not used, clearly slower", packed * 1e6, plain * 1e6)
@@ -49,13 +53,14 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) ->
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> bool:
+def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576), timed: bool = True) -> bool:
     """Whether tercet's own projection kernel for `dtype` (`Linear(kernel=True)`: fp32 panels,
     cpu_kernels.packed_linear, AVX-512 or AVX2 + FMA; bf16 panels, cpu_kernels.bf16_linear,
     AVX512_BF16) serves this machine: it is built, gives `F.linear`'s products within rounding
     (fp32: of fp32; bf16: of one bf16 rounding of the fp32 product) at 1 to 200 rows, and over 1,
     8 and 64 rows is not clearly slower (`SLOWER`) than what serves otherwise (oneDNN's prepacked
-    weights where they pay, else `F.linear`). It is batch-invariant by construction."""
+    weights where they pay, else `F.linear`). It is batch-invariant by construction. Not `timed`:
+    wherever it builds and gives those products (the deterministic mode: see `packing_pays`)."""
     if device.type != "cpu":
         return False
     built = {torch.float32: cpu_kernels.packed_linear_available, torch.bfloat16: cpu_kernels.bf16_linear_available}
@@ -64,13 +69,16 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576)) -> 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator).to(dtype)
     bias = torch.randn(shape[0], generator=generator).to(dtype)
-    ours, other = Linear(weight, kernel=True), Linear(weight, packed=packing_pays(dtype, device))
+    ours, other = Linear(weight, kernel=True), Linear(weight, packed=packing_pays(dtype, device, timed=timed))
     for rows in (1, 7, 32, 64, 200):
         x = torch.randn(rows, shape[1], generator=generator).to(dtype)
         if not (_close_product(ours(x), x, weight, None) and _close_product(Linear(weight, bias, kernel=True)(x),
                                                                               x, weight, bias)):
             log.warning("tercet's %s projection kernel gives other products than F.linear here: not used", dtype)
             return False
+    if not timed:
+        log.info("tercet's %s projection kernel serves (the deterministic mode: wherever it builds)", dtype)
+        return True
     mine, theirs = _summed_seconds(ours, other, shape[1], dtype, generator)
     # the kernel serves unless clearly slower: a moment of a busy host must not drop it
     serves = mine <= SLOWER * theirs
@@ -105,7 +113,7 @@ def onednn_invariant(dtype: torch.dtype, device: torch.device, dense: bool, shap
 
     One-row products are left out: oneDNN multiplies a single row by another kernel that may round
     differently, so invariant callers pad them to two rows (`Projection.min_rows`)."""
-    if not packing_pays(dtype, device):
+    if not packing_pays(dtype, device, timed=False):
         return False
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(shape, generator=generator).to(dtype)
@@ -147,7 +155,7 @@ def dense_pays(dtype: torch.dtype, device: torch.device, shape: tuple[int, int])
     """Whether, for a prepacked weight of `shape`, keeping the plain one too pays: `F.linear`
     on it at DENSE_ROWS rows beats the 128-row layout by SLOWER (timed once per shape and
     process, ~50 ms)."""
-    if not packing_pays(dtype, device):
+    if not packing_pays(dtype, device, timed=False):
         return False
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator).to(dtype)

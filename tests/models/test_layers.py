@@ -57,7 +57,7 @@ def test_plain_copies_stay_within_their_memory_budget(tiny_llama, monkeypatch):
     from models import layers, probes
 
     monkeypatch.setattr(probes, "dense_pays", lambda *shape: True)
-    monkeypatch.setattr(probes, "kernel_pays", lambda *a: False)  # oneDNN's prepacked weights, pinned
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: False)  # oneDNN's prepacked weights, pinned
     o = tiny_llama.config.hidden_size * tiny_llama.config.hidden_size * 2  # bytes of one bf16 o_proj
     monkeypatch.setattr(layers, "DENSE_BUDGET_BYTES", o)  # room for exactly one plain copy
     model = ModelRunner(tiny_llama, dtype=torch.bfloat16).model
@@ -212,7 +212,7 @@ def test_a_gguf_model_runs_on_block_codes_with_the_logits_of_its_fp32_weights(ti
         return torch.from_numpy(quants.dequantize(quants.quantize(tensor.numpy(), kind), kind).copy())
 
     loaded = dataclasses.replace(tiny_llama, state_dict={n: requantize(n, t) for n, t in tiny_llama.state_dict.items()})
-    monkeypatch.setattr(probes, "kernel_pays", lambda *a: True)
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
     runner = ModelRunner(loaded, dtype=torch.float32)
     assert runner.model.kernel
     assert all(lin.codes is not None for lin in runner.model.projections())
