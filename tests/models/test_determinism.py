@@ -54,9 +54,9 @@ def pin(monkeypatch):
                 pytest.skip("this build has no fp32 projection kernel (no AVX2 + FMA)")
             if dtype == torch.bfloat16 and not cpu_kernels.bf16_linear_available():
                 pytest.skip("this CPU has no bf16 kernel (no AVX512_BF16)")
-            monkeypatch.setattr(probes, "kernel_pays", lambda *a: True)
+            monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
         else:
-            monkeypatch.setattr(probes, "kernel_pays", lambda *a: False)
+            monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: False)
         if path == "onednn" and not all(probes.onednn_invariant(dtype, CPU, False, tuple(w.shape))
                                         for w in model.state_dict.values() if w.dim() == 2):
             pytest.skip(f"oneDNN's {dtype} products are not invariant on this CPU (the runner takes another path)")
