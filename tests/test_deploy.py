@@ -333,8 +333,9 @@ def test_manifests_pass_the_kubernetes_schemas_strictly():
 
 def checkov():
     """checkov, beside this Python (its pins, packaging<24 among them, refuse pytest 9 and ray: it is
-    the ``deploy-check`` extra, installed on its own)."""
-    found = shutil.which("checkov", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    the ``deploy-check`` extra, installed on its own: .ci/setup puts it in .venv-checkov)."""
+    places = [Path(sys.executable).parent, Path(__file__).resolve().parents[1] / ".venv-checkov" / "bin"]  # .ci/setup's
+    found = shutil.which("checkov", path=os.pathsep.join([*map(str, places), os.environ["PATH"]]))
     if found is None:
         pytest.skip("checkov is not installed (pip install 'tercet[deploy-check]')")
     return found
