@@ -153,6 +153,7 @@ class ReqState:
     def end(self, reason: FinishReason) -> None:
         """Finish here, without waiting for downstream (its outputs are ignored from now)."""
         self.finished = reason
+        self.progressed.set()
         self.pending.append(Chunk(self.index, self.rid, "", [], reason, len(self.prompt_ids),
                                   len(self.output_ids), 0))
         self.notify()
@@ -233,6 +234,7 @@ class TokenizerManager(Actor):
         self._suspects: deque[list[ReqState]] = deque()  # groups waiting for their trial, one group at a time
         self._on_trial: list[ReqState] = []
         self._trial: trio.CancelScope | None = None  # the wait for the group on trial to progress
+        self._trials = 0  # trials begun or ended by a crash (a trial sending its group checks it)
         self.trial_timeout = trial_timeout
         self.hold_timeout = hold_timeout
         # where each replica's scheduler journals its steps (None: it does not; see journal.py)
@@ -589,15 +591,20 @@ class TokenizerManager(Actor):
         for state in blamed:
             state.crashes += 1
         tried = [s for s in self._on_trial if s in blamed]
-        if tried:  # the group on trial was in the step that died: it crashed what ran it
-            in_flight = [s for s in in_flight if s not in set(tried)]
+        if tried:  # of the group on trial, these were in the step that died: one of them crashed it
+            group = set(self._on_trial)
+            in_flight = [s for s in in_flight if s not in group]  # the group's next trials send them
+            rest = [s for s in self._on_trial if s not in set(tried) and s.finished is None]
             if len(tried) == 1:
                 self._quarantine(tried[0], crash)
-            else:  # one of them: each half gets a trial of its own, first
+                trials = [rest]
+            else:  # each half gets a trial of its own, first (without a journal: they shared the step)
                 half = len(tried) // 2
-                self._suspects.extendleft([tried[half:], tried[:half]])
+                trials = [tried[:half], tried[half:], rest]
+            self._suspects.extendleft(reversed([t for t in trials if t]))
+            self._trials += 1  # this trial is over: the next begins
             if self._trial is not None:
-                self._trial.cancel()  # the next trial begins
+                self._trial.cancel()
         resuming = set(in_flight)
         suspects = [s for s in blamed if s in resuming and s.crashes >= self.quarantine_after
                     and not s.progressed.is_set()]
@@ -642,15 +649,20 @@ class TokenizerManager(Actor):
             if not group:
                 continue
             self._on_trial = group
-            with trio.move_on_after(self.trial_timeout) as deadline:
-                with trio.CancelScope() as self._trial:
-                    for state in group:  # each in a model call of its own: a crash there names it
-                        await self._submit(state, resume=True, alone=True)
-                    for state in group:
-                        await state.progressed.wait()
-            if deadline.cancelled_caught:  # it crashed nothing meanwhile: it goes on as any request
-                log.warning("%d requests on probation made no progress in %g s; their trial ends",
-                            len(group), self.trial_timeout)
+            self._trials += 1
+            trial = self._trials
+            for state in group:  # each in a model call of its own: a crash there names it
+                if self._trials != trial:  # a crash ended this trial while it was sent: its next ones send them
+                    break
+                await self._submit(state, resume=True, alone=True)
+            if self._trials == trial:
+                with trio.move_on_after(self.trial_timeout) as deadline:
+                    with trio.CancelScope() as self._trial:
+                        for state in group:
+                            await state.progressed.wait()
+                if deadline.cancelled_caught:  # it crashed nothing meanwhile: it goes on as any request
+                    log.warning("%d requests on probation made no progress in %g s; their trial ends",
+                                len(group), self.trial_timeout)
             self._on_trial, self._trial = [], None
         self._no_probation.set()
 

@@ -221,3 +221,27 @@ async def test_a_trial_ends_at_its_deadline_and_new_requests_wait_at_most_the_ho
     await trio.sleep(25.0)  # past the trial's deadline: it ends, the requests go on (nothing ends them)
     assert tm._no_probation.is_set() and not tm._on_trial
     assert [s.finished for s in lost] == [None, None]
+
+
+async def test_two_poisons_in_one_group_each_end_at_the_first_crash_that_names_them(nursery, tokenizer, tmp_path,
+                                                                                   autojump_clock):
+    """Requests on trial run in calls of their own: the journal names one culprit per crash, and
+    the rest of its group stays on trial (with a deep queue of innocents that go on meanwhile)."""
+    tm = prober(nursery, tokenizer, tmp_path)
+    states = await start(nursery, tm, 4)
+    queue = await start(nursery, tm, 40, prefix="q")
+    for _ in range(2):
+        await crash(tm, states)
+    group = list(tm._on_trial)
+    assert set(group) == set(states) and not tm._suspects
+    assert all(m.alone for m in tm.ctx.sent[-4:]) and {s.crashes for s in queue} == {0}
+    first, second = group[1], group[3]
+    await crash(tm, [first])
+    assert first.finished.status_code == 500 and tm._on_trial == [group[0], group[2], second]
+    await crash(tm, [second])
+    assert second.finished.status_code == 500 and tm._on_trial == [group[0], group[2]]
+    for state in tm._on_trial:
+        progress(tm, state)
+    await trio.testing.wait_all_tasks_blocked()
+    assert tm._no_probation.is_set() and tm.quarantined == 2
+    assert all(s.finished is None and s.replica is not None for s in queue)
