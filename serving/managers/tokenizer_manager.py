@@ -213,6 +213,7 @@ class TokenizerManager(Actor):
         self.resumed = 0
         self.migrated = 0  # resumed on another replica than the one they ran on
         self.quarantined = 0
+        self.suspected = 0  # requests put on probation
         self.up = [serving is None or i in serving for i in range(replicas)]  # replicas taking requests
         self._any_up = trio.Event()
         if any(self.up):
@@ -612,6 +613,7 @@ class TokenizerManager(Actor):
         for state in in_flight:  # the others go on at once (those on trial still alone)
             if state not in held:
                 await self._submit(state, resume=True, alone=state in trial)
+        self.suspected += len(suspects)
         if suspects:
             log.warning("%d requests were in the step that died for %d crashes in a row: resuming them on "
                         "probation, %d at a time", len(suspects), self.quarantine_after, PROBATION_GROUP)

@@ -398,3 +398,36 @@ async def test_pause_holds_health_generate_and_a_paused_request_waits_only_so_lo
         assert (await client.post("/continue_generation")).status_code == 200
         assert (await client.get("/health_generate")).status_code == 200
         assert (await client.post("/generate", json=GREEDY)).status_code == 200
+
+
+async def test_a_poison_before_a_deep_queue_is_quarantined_at_the_default_without_blaming_the_queue(nursery, baseline):
+    """4 running, 40 more queued behind a poison, the default quarantine and restart intensity: the
+    crashes count only against the requests in the step that died (the scheduler's step journal),
+    so the queue is never put on probation; the poison ends with a 500 at the third crash."""
+    url, app = await start_server(nursery, "default", **{
+        "model.dtype": "float32", "scheduler.max_running_requests": 4, "actors.scheduler": {
+            "process": "child", "address": "ipc://{runtime_dir}/scheduler",
+            "target": "tests.serving.faults:poisoned_scheduler_child"}})
+    tm = app.state.server.runtime.tokenizer_manager
+    bodies = requests_for(31, n=40)
+    expected = baseline(bodies)
+    poisoned = {}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async def poison():
+            r = await client.post("/generate", json={"input_ids": POISON, "rid": "poison",
+                                                     "sampling_params": {"max_new_tokens": 4}})
+            poisoned["status"], poisoned["body"] = r.status_code, r.json()
+
+        texts = {}
+        with trio.fail_after(240):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(poison)
+                while "poison" not in tm.rid_to_state:
+                    await trio.sleep(0.001)
+                inner.start_soon(run_all, client, bodies, False, texts)
+        assert poisoned["status"] == 500 and "not resumed again" in poisoned["body"]["error"]["message"]
+        assert texts == expected
+        assert tm.quarantined == 1 and tm.suspected <= 5, tm.suspected  # the poison and the step it ran in
+        info = (await client.get("/server_info")).json()
+        assert info["restarts"]["scheduler"] == 3 and info["waiting"] == 0 and info["running"] == 0
+        assert (await client.get("/health")).status_code == 200
