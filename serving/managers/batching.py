@@ -162,7 +162,8 @@ class BatchState:
                 "abort", status_code=400,
                 message=f"the prompt has {len(tokens)} tokens; this server holds at most {limit - 1}",
             ))
-        if len(self.waiting) >= self.limits.max_queued_requests and msg.replaces is None:  # resumes may exceed it
+        resume = msg.resume or msg.replaces is not None or msg.num_prior_output > 0
+        if len(self.waiting) >= self.limits.max_queued_requests and not resume:  # resumes may exceed it
             return self._end_now(req, FinishReason(
                 "abort", status_code=503,
                 message=f"server overloaded: {len(self.waiting)} requests already queued",

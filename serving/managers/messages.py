@@ -158,6 +158,8 @@ class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     # on probation (a suspect of crashing the scheduler): run in a model call of its own, so that a
     # call that kills the process names it alone in the scheduler's step journal
     alone: bool = False
+    # a resume (a restart's or a migration's, with or without output so far): never refused by the queue bound
+    resume: bool = False
 
 
 class GenerateReqId(msgspec.Struct, tag="GenerateReq", array_like=True, gc=False):

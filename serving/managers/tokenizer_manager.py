@@ -506,7 +506,7 @@ class TokenizerManager(Actor):
         tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
         return GenerateReq(
             state.wire_rid, np.asarray(tokens, dtype=np.int32), state.sampling, state.stream, state.return_logprob,
-            state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces, alone,
+            state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces, alone, resume,
         )
 
     def _unassign(self, state: ReqState) -> None:

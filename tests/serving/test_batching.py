@@ -187,6 +187,17 @@ def test_limits_reject_with_clear_reasons(runner):
     assert empty.req.finished.status_code == 400
 
 
+def test_resumes_are_never_refused_by_the_queue_bound(runner):
+    # issue 29 N4: a migrated request names no ``replaces`` (it ran on another replica)
+    state = make_state(runner, max_queued_requests=1, max_context_len=64)
+    assert state.add(req("a", [5] * 10)) is None
+    assert state.add(GenerateReq("m#0.1", np.asarray([5] * 10, dtype=np.int32), GREEDY, resume=True)) is None
+    assert state.add(GenerateReq("n#0.1", np.asarray([5] * 12, dtype=np.int32), GREEDY, num_prior_output=2)) is None
+    overload = state.add(req("c", [5] * 10))
+    assert overload.req.finished.status_code == 503
+    assert [r.rid for r in state.waiting] == ["a", "m#0.1", "n#0.1"]
+
+
 def test_max_running_requests_is_respected(runner):
     state = make_state(runner, max_running_requests=3)
     for i, p in enumerate(prompts(8, seed=5)):
