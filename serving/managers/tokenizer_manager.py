@@ -450,11 +450,12 @@ class TokenizerManager(Actor):
                         unfinished -= chunk.finished is not None
                         yield chunk
         finally:
+            left = [state for state in states if state.finished is None]
+            for state in left:  # all of them first: a resume in another task skips them from here on (L3)
+                state.finished = FinishReason("abort", message="the client went away")
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
-                for state in states:
-                    if state.finished is None:
-                        state.finished = FinishReason("abort", message="the client went away")
-                        await self._abort_downstream(state, "the client went away")
+                for state in left:
+                    await self._abort_downstream(state, "the client went away")
             for state in states:
                 self._unassign(state)
                 del self.rid_to_state[state.rid]
@@ -462,15 +463,21 @@ class TokenizerManager(Actor):
 
     async def _submit(self, state: ReqState, *, resume: bool = False, alone: bool = False) -> None:
         """Send ``state`` to a replica that is up (waiting for one while none is); a resume continues
-        from the ids received so far, as a new incarnation (``alone``: on probation)."""
+        from the ids received so far, as a new incarnation (``alone``: on probation).
+
+        Nothing awaits between choosing the incarnation and sending it; after the send, one that the
+        client left meanwhile, or that another resume took over, is aborted where it went (N5)."""
+        epoch = state.epoch
         while not any(self.up) and not self._failed:
             await self._any_up.wait()
         if state.finished is not None or self._failed:  # ended while it waited
             return
+        if state.epoch != epoch or state.replica is not None:  # another resume sent it while this one waited
+            return
         tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
         replica = self.router.choose(tokens, [i for i, is_up in enumerate(self.up) if is_up])
         state.replica = replica
-        replaces = None
+        replaces = old = previous = None
         if resume:
             old = state.wire_rid
             del self._by_wire_rid[old]
@@ -480,13 +487,7 @@ class TokenizerManager(Actor):
                 replaces = old  # the scheduler drops the incarnation it may still run
             elif state.last_replica is not None:
                 self.migrated += 1
-                # its old replica may still run it (only its detokenizer crashed), or hold the abort in a
-                # socket's queue for its restart: it ends there (a dead replica costs at most a moment)
-                with trio.move_on_after(1.0):
-                    await self.ctx.send(self.schedulers[state.last_replica],
-                                        AbortReq(old, f"resumed on replica {replica}"))
-                    if self.detokenizers:  # which, if it lives on, still holds its decoding state
-                        await self.ctx.send(self.detokenizers[state.last_replica], ForgetRequests([old]))
+                previous = state.last_replica
         state.submitted = True
         state.heard_at = trio.current_time()
         state.since_submit, state.progressed = 0, trio.Event()
@@ -499,6 +500,20 @@ class TokenizerManager(Actor):
                 await self.ctx.send(self.schedulers[replica], AbortReq(replaces, "its resume cannot be sent"))
             return
         await self.ctx.send(self.schedulers[replica], request)
+        if state.finished is not None or state.epoch != epoch + resume:  # the client left, or it resumed again
+            with trio.move_on_after(1.0):  # (an abort of a rid already ended is nothing to the scheduler)
+                await self.ctx.send(self.schedulers[replica], AbortReq(request.rid, "ended while it was sent"))
+        if old is not None and previous is not None:
+            await self._end_old(old, previous, replica)
+
+    async def _end_old(self, old: str, last_replica: int, replica: int) -> None:
+        """End incarnation ``old`` on ``last_replica``, after its resume went to ``replica``: it may still
+        run there (only its detokenizer crashed), or hold the abort in a socket's queue for its restart
+        (a dead replica costs at most a moment)."""
+        with trio.move_on_after(1.0):
+            await self.ctx.send(self.schedulers[last_replica], AbortReq(old, f"resumed on replica {replica}"))
+            if self.detokenizers:  # which, if it lives on, still holds its decoding state
+                await self.ctx.send(self.detokenizers[last_replica], ForgetRequests([old]))
 
     def _request(self, state: ReqState, *, resume: bool = False, replaces: str | None = None,
                  alone: bool = False) -> GenerateReq:

@@ -54,8 +54,108 @@ async def test_a_resume_while_a_batch_is_being_sent_resumes_only_what_was_sent(n
     ctx.unblock.set()
     await trio.testing.wait_all_tasks_blocked()
     first, second, third = list(tm.rid_to_state)
-    assert [(m.rid, m.replaces) for m in ctx.sent] == [
-        (f"{first}#0.0", None), (f"{first}#0.1", f"{first}#0.0"), (f"{second}#0.0", None), (f"{third}#0.0", None)]
+    assert [(type(m), m.rid) for m in ctx.sent] == [
+        (GenerateReq, f"{first}#0.0"), (GenerateReq, f"{first}#0.1"), (AbortReq, f"{first}#0.0"),  # (N5)
+        (GenerateReq, f"{second}#0.0"), (GenerateReq, f"{third}#0.0")]
+    assert ctx.sent[1].replaces == f"{first}#0.0"
+
+
+class AddressedContext(RecordingContext):
+    """Records ``(address, message)``; the ``block``-th send waits for ``unblock``."""
+
+    async def send(self, address, msg):
+        self.sent.append((address, msg))
+        if len(self.sent) == self.block:
+            await self.unblock.wait()
+
+
+REPLICAS = ["inproc://s0", "inproc://s1", "inproc://s2"]
+
+
+async def test_a_migration_sends_the_resume_first_and_the_old_replica_abort_after(nursery, tokenizer):
+    ctx = AddressedContext(nursery)
+    tm = TokenizerManager(tokenizer, scheduler=REPLICAS[:2])
+    tm.ctx = ctx
+    nursery.start_soon(drain, tm.generate(GenerateInput(input_ids=[5, 6], rid="m")), [])
+    await trio.testing.wait_all_tasks_blocked()
+    (first, _), = ctx.sent
+    assert await tm.replica_down(REPLICAS.index(first), "replica lost") == 1
+    other = REPLICAS[1 - REPLICAS.index(first)]
+    assert [(a, type(m), m.rid) for a, m in ctx.sent[1:]] == [
+        (other, GenerateReq, "m#0.1"), (first, AbortReq, "m#0.0")]
+    assert ctx.sent[1][1].resume and ctx.sent[1][1].replaces is None  # (N4: the queue bound lets it in)
+
+
+async def consume(tm, obj, task_status=trio.TASK_STATUS_IGNORED):
+    """A client of ``tm.generate(obj)`` that leaves when the scope it hands back is cancelled."""
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        await drain(tm.generate(obj), [])
+
+
+async def test_a_client_that_leaves_while_its_resume_is_sent_leaves_nothing_running(nursery, tokenizer):
+    """Issue 29 N5(b): the resume's send waits; the client leaves meanwhile; its new incarnation is
+    aborted where it went once the send is done."""
+    ctx = AddressedContext(nursery, block=2)  # the resume's GenerateReq
+    tm = TokenizerManager(tokenizer, scheduler=REPLICAS[:2])
+    tm.ctx = ctx
+    client = await nursery.start(consume, tm, GenerateInput(input_ids=[5, 6], rid="gone"))
+    await trio.testing.wait_all_tasks_blocked()
+    (first, _), = ctx.sent
+    nursery.start_soon(tm.replica_down, REPLICAS.index(first), "replica lost")
+    await trio.testing.wait_all_tasks_blocked()
+    client.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    ctx.unblock.set()
+    await trio.testing.wait_all_tasks_blocked()
+    other = REPLICAS[1 - REPLICAS.index(first)]
+    sent = [(a, type(m).__name__, m.rid) for a, m in ctx.sent[1:]]
+    assert sent[0] == (other, "GenerateReq", "gone#0.1")
+    assert (other, "AbortReq", "gone#0.1") in sent[1:]  # nothing left running on the new replica
+    assert (first, "AbortReq", "gone#0.0") in sent[1:]
+    assert tm.rid_to_state == {}
+
+
+async def test_one_wire_rid_never_runs_on_two_replicas(nursery, tokenizer):
+    """Issue 29 N5(a): while a migration's send waits, the replica it goes to is lost too; the second
+    resume sends the next incarnation elsewhere, and the first aborts its own once sent."""
+    ctx = AddressedContext(nursery, block=2)
+    tm = TokenizerManager(tokenizer, scheduler=REPLICAS)
+    tm.ctx = ctx
+    nursery.start_soon(drain, tm.generate(GenerateInput(input_ids=[5, 6], rid="r")), [])
+    await trio.testing.wait_all_tasks_blocked()
+    (first, _), = ctx.sent
+    nursery.start_soon(tm.replica_down, REPLICAS.index(first), "replica lost")
+    await trio.testing.wait_all_tasks_blocked()
+    second, resumed = ctx.sent[1]
+    assert resumed.rid == "r#0.1"
+    assert await tm.replica_down(REPLICAS.index(second), "replica lost") == 1
+    ctx.unblock.set()
+    await trio.testing.wait_all_tasks_blocked()
+    runs = {}
+    for address, msg in ctx.sent:
+        if isinstance(msg, GenerateReq):
+            runs.setdefault(msg.rid, []).append(address)
+    assert runs == {"r#0.0": [first], "r#0.1": [second], "r#0.2": [runs["r#0.2"][0]]}
+    assert runs["r#0.2"][0] not in (first, second)
+    aborted = {(a, m.rid) for a, m in ctx.sent if isinstance(m, AbortReq)}
+    assert {(first, "r#0.0"), (second, "r#0.1")} <= aborted
+
+
+async def test_a_client_that_leaves_marks_every_sub_request_finished_before_any_abort(nursery, tokenizer, batch):
+    """L3: the client's aborts wait (a full socket); a resume meanwhile resumes none of its sub-requests."""
+    ctx = RecordingContext(nursery, block=4)  # the first abort's send
+    tm = manager(tokenizer, ctx)
+    client = await nursery.start(consume, tm, batch)
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(ctx.sent) == 3
+    client.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert [type(m) for m in ctx.sent] == [GenerateReq] * 3 + [AbortReq]
+    assert await tm.resubmit_in_flight("the scheduler crashed") == 0
+    ctx.unblock.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert [type(m) for m in ctx.sent] == [GenerateReq] * 3 + [AbortReq] * 3 and tm.rid_to_state == {}
 
 
 async def test_an_abort_ends_the_request_here_and_a_resume_skips_it(nursery, tokenizer):
