@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,9 @@ from ..managers.messages import DetokenizerInfoReq, HealthProbe, ServerInfoReq
 from ..runtime.interface import Runtime
 from .errors import BadRequest
 from .metrics import Metrics
+from .openai_api import TokenStrings
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ServerState", "merged_info"]
 
@@ -37,6 +41,14 @@ class ServerState:
         scheduler = self.topology.scheduler
         self.max_in_flight = scheduler.max_running_requests + scheduler.max_queued_requests
         self.health = HealthMonitor(self)
+        self._token_strings: TokenStrings | None = None
+
+    @property
+    def token_strings(self) -> TokenStrings:
+        """Each token's text for logprobs, decoded once per id (one cache for every request)."""
+        if self._token_strings is None:
+            self._token_strings = TokenStrings(self.runtime.tokenizer)
+        return self._token_strings
 
     @asynccontextmanager
     async def admitted(self, weight: int = 1) -> AsyncIterator[None]:
@@ -226,6 +238,15 @@ class HealthMonitor:
                 await self._probe()
 
     async def _probe(self) -> None:
+        """One look; whatever it raises is a problem seen, never the monitor's end (it runs in the
+        lifespan's nursery: an error here would take the server down, issue 29 N6)."""
+        try:
+            await self._look()
+        except Exception as exc:  # noqa: BLE001 (a probe of a manager between incarnations, a bad answer)
+            log.warning("health probe failed: %r", exc)
+            self.last_problem = f"the health probe failed: {exc!r}"
+
+    async def _look(self) -> None:
         if self.state.replicated:
             await self._probe_replicas()
             return

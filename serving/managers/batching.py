@@ -70,6 +70,7 @@ class Req:
     matcher: Any = None  # its grammar's state (an llguidance LLMatcher) when it is constrained
     held: Output | None = None  # tokens not sent yet (Limits.stream_interval)
     alone: bool = False  # on probation: each step runs it in a model call of its own (GenerateReq.alone)
+    boot: str = ""  # the tokenizer manager's incarnation that sent it (GenerateReq.boot)
 
     @property
     def num_generated(self) -> int:
@@ -147,6 +148,7 @@ class BatchState:
             msg.rid, msg.worker, tokens, len(tokens) - msg.num_prior_output, msg.num_prior_output,
             msg.sampling, to_model_sampling(msg.sampling), msg.stream, msg.return_logprob,
             max(0, min(msg.top_logprobs_num, top_logprobs_cap)), replaces=msg.replaces, alone=msg.alone,
+            boot=msg.boot,
         )
         if msg.rid in self.by_rid:  # the live one keeps running; this one is refused
             return self._end_now(req, FinishReason("abort", status_code=400,

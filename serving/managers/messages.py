@@ -160,6 +160,7 @@ class GenerateReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     alone: bool = False
     # a resume (a restart's or a migration's, with or without output so far): never refused by the queue bound
     resume: bool = False
+    boot: str = ""  # the incarnation of the tokenizer manager that sent it (AbortWhere.spare_boot)
 
 
 class GenerateReqId(msgspec.Struct, tag="GenerateReq", array_like=True, gc=False):
@@ -226,6 +227,9 @@ class AbortWhere(msgspec.Struct, tag=True, array_like=True, gc=False):
     rid: str | None = None
     worker: int | None = None
     message: str = "aborted"
+    # with ``worker``: spare that worker's requests sent by this boot of its tokenizer manager (a
+    # restarted one ends what its previous incarnation left running, not what it sent itself)
+    spare_boot: str | None = None
 
 
 class FlushCacheReq(msgspec.Struct, tag=True, array_like=True, gc=False):

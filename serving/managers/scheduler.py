@@ -224,8 +224,8 @@ class Scheduler(Actor):
                 if any(m.rid == rid for m in self._awaiting_grammars):
                     self._aborted_waiting.add(rid)
                 self._end(state.abort(rid, FinishReason("abort", message=message)))
-            case AbortWhere(rid, worker, message):
-                return self._abort_where(rid, worker, message)
+            case AbortWhere(rid, worker, message, spare_boot):
+                return self._abort_where(rid, worker, message, spare_boot)
             case StopStringHit(rid):
                 if rid in state.by_rid:
                     state.drop(rid)  # the detokenizer already ended it downstream
@@ -282,11 +282,11 @@ class Scheduler(Actor):
         log.info("weights updated from %s", path)
         return {"success": True, "message": f"weights loaded from {path}"}
 
-    def _abort_where(self, rid: str | None, worker: int | None, message: str) -> int:
+    def _abort_where(self, rid: str | None, worker: int | None, message: str, spare_boot: str | None = None) -> int:
         state = self.state
         chosen = [req.rid for req in state.by_rid.values()
                   if (rid is None or req.rid.rpartition("#")[0] == rid or req.rid == rid)
-                  and (worker is None or req.worker == worker)]
+                  and (worker is None or req.worker == worker) and (spare_boot is None or req.boot != spare_boot)]
         for wire_rid in chosen:
             self._end(state.abort(wire_rid, FinishReason("abort", message=message)))
         if chosen:

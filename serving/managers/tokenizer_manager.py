@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
@@ -204,6 +205,9 @@ class TokenizerManager(Actor):
         self.router = router or Router(replicas)
         assert self.router.replicas == replicas and len(self.detokenizers) in (0, replicas)
         self.worker = worker
+        # this incarnation: on start it ends, on every replica, what a previous one of ``worker`` left running
+        self.boot = secrets.token_hex(6)
+        self._running = False  # on_start ran: ctx is set
         self.limits = limits
         self.quarantine_after = quarantine_after
         self.request_timeout = request_timeout
@@ -253,12 +257,31 @@ class TokenizerManager(Actor):
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
+        self._running = True
         for watchdog in self.watchdogs:
             await ctx.nursery.start(watchdog.run)
         for replica in sorted(self.remote):
             ctx.nursery.start_soon(self._watch_remote, replica)
         if self.request_timeout is not None:
             ctx.nursery.start_soon(self._end_unheard, self.request_timeout)
+        for replica, up in enumerate(self.up):
+            if up:
+                ctx.nursery.start_soon(self._end_orphans, replica)
+
+    async def _end_orphans(self, replica: int) -> None:
+        """End on ``replica`` what an earlier incarnation of this tokenizer manager left running there (it
+        restarted, or the front end did): its clients are gone (issue 29 N6). Nothing waits for this: what
+        this one sends carries its own ``boot`` and is spared."""
+        message = "the front end that sent this request restarted"
+        try:
+            count = await self.ctx.call(self.schedulers[replica], AbortWhere(worker=self.worker, message=message,
+                                                                              spare_boot=self.boot),
+                                        timeout=self.remote_timeout if replica in self.remote else 10.0)
+        except (CallError, trio.TooSlowError) as exc:  # restarting, or not there: it holds nothing of ours
+            log.info("replica %d was not asked to end an earlier front end's requests: %s", replica, exc)
+            return
+        if count:
+            log.warning("replica %d ended %d requests an earlier front end left running", replica, count)
 
     @property
     def scheduler(self) -> str:
@@ -305,7 +328,7 @@ class TokenizerManager(Actor):
                                                     timeout=self.remote_timeout)
                     detokenizer = await self.ctx.call(self.detokenizers[replica], DetokenizerInfoReq(),
                                                       timeout=self.remote_timeout)
-                seen = (scheduler["boot"], detokenizer["boot"])
+                seen = (_boot(scheduler), _boot(detokenizer))
             except (CallError, trio.TooSlowError) as exc:
                 seen = None
                 cause = f"replica {replica} does not answer in {self.remote_timeout:g} s: {exc}"
@@ -522,6 +545,7 @@ class TokenizerManager(Actor):
         return GenerateReq(
             state.wire_rid, np.asarray(tokens, dtype=np.int32), state.sampling, state.stream, state.return_logprob,
             state.top_logprobs_num, self.worker, len(state.output_ids) if resume else 0, replaces, alone, resume,
+            self.boot,
         )
 
     def _unassign(self, state: ReqState) -> None:
@@ -595,6 +619,8 @@ class TokenizerManager(Actor):
         self.watchdogs[replica].feed()
         self.up[replica] = True
         self._any_up.set()
+        if self._running:  # (a remote one may still run what an earlier front end sent it)
+            self.ctx.nursery.start_soon(self._end_orphans, replica)
 
     async def _resume(self, crash: str, lost: Callable[[int], bool]) -> int:
         """Resume the requests running on the replicas that ``lost`` says lost them; count the
@@ -732,6 +758,11 @@ class TokenizerManager(Actor):
                 if up:
                     nursery.start_soon(ask, i)
         return answers
+
+
+def _boot(answer: Any) -> Any:
+    """The boot id in a replica's info answer; None when it gives none (another build, a proxy)."""
+    return answer.get("boot") if isinstance(answer, dict) else None
 
 
 def blames(crash: str) -> bool:

@@ -10,6 +10,7 @@ side feeds it supervisor events, a worker copies the main side's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Protocol
@@ -21,6 +22,8 @@ from actors import Supervisor, SupervisorEvent
 from ..managers.messages import RuntimeStatus
 from ..managers.tokenizer_manager import TokenizerManager
 from .topology import Topology
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Gate", "Runtime", "StatusTracker", "TokenizerManagerSlot"]
 
@@ -219,6 +222,10 @@ class TokenizerManagerSlot:
         self._current: TokenizerManager | None = None
 
     def build(self) -> TokenizerManager:
+        if self._current is not None:  # its actor restarted: the old one's streams end, not wait for ever (N6)
+            ended = self._current.fail_all("the tokenizer manager restarted; this request was ended")
+            if ended:
+                log.warning("the tokenizer manager restarted: %d requests in flight were ended", ended)
         self._current = self._make()
         return self._current
 

@@ -123,3 +123,12 @@ def test_a_refused_resume_ends_its_rid_and_the_incarnation_it_was_to_replace():
     assert [o.rid for o in s._pending] == ["r#0.1", "r#0.2"]
     end = s._pending[1].reason
     assert end.status_code == 400 and "sampling_params.seed" in end.message, end
+
+
+def test_abort_where_spares_the_requests_of_the_boot_that_asks(tmp_path):
+    """A restarted tokenizer manager ends what its earlier incarnation left, not what it sent (N6)."""
+    s = scheduler(FakeRunner())
+    s.state.by_rid = {rid: SimpleNamespace(rid=rid, worker=worker, boot=boot) for rid, worker, boot in (
+        ("old#0.0", 0, "b1"), ("new#0.0", 0, "b2"), ("other#1.0", 1, "b1"))}
+    assert s._abort_where(None, 0, "the front end restarted", spare_boot="b2") == 1
+    assert set(s.state.aborted) == {"old#0.0"}

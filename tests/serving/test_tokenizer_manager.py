@@ -345,3 +345,87 @@ async def test_two_poisons_in_one_group_each_end_at_the_first_crash_that_names_t
     await trio.testing.wait_all_tasks_blocked()
     assert tm._no_probation.is_set() and tm.quarantined == 2
     assert all(s.finished is None and s.replica is not None for s in queue)
+
+
+# -- a restart of the front end (issue 29 N6) ----------------------------------------------
+
+
+class AnsweringContext(AddressedContext):
+    """Records calls too, and answers each with ``answer(address, msg)``."""
+
+    def __init__(self, nursery, answer):
+        super().__init__(nursery)
+        self.answer = answer
+        self.calls = []
+
+    async def call(self, address, msg, timeout):
+        self.calls.append((address, msg))
+        return self.answer(address, msg)
+
+
+async def test_a_restarted_tokenizer_manager_ends_what_its_earlier_incarnation_left_on_every_replica(
+        nursery, tokenizer):
+    from serving.managers.messages import AbortWhere
+
+    def answer(address, msg):
+        if not isinstance(msg, AbortWhere):
+            raise CallError("no scheduler here")
+        return 2
+
+    ctx = AnsweringContext(nursery, answer)
+    tm = TokenizerManager(tokenizer, scheduler=REPLICAS, serving={0, 2}, worker=1)
+    await tm.on_start(ctx)
+    await trio.testing.wait_all_tasks_blocked()
+    assert sorted(a for a, _ in ctx.calls) == [REPLICAS[0], REPLICAS[2]]  # the replicas up
+    assert all(m == AbortWhere(worker=1, message=m.message, spare_boot=tm.boot) for _, m in ctx.calls)
+    nursery.start_soon(drain, tm.generate(GenerateInput(input_ids=[5, 6], rid="new")), [])
+    await trio.testing.wait_all_tasks_blocked()
+    (_, sent), = ctx.sent
+    assert sent.boot == tm.boot  # what it sends itself is spared
+    tm.replica_up(1)  # a replica that comes back (a remote one may still run an earlier front end's)
+    await trio.testing.wait_all_tasks_blocked()
+    assert ctx.calls[-1] == (REPLICAS[1], AbortWhere(worker=1, message=ctx.calls[-1][1].message,
+                                                      spare_boot=tm.boot))
+    other = TokenizerManager(tokenizer, scheduler=REPLICAS, worker=1)
+    assert other.boot != tm.boot
+
+
+async def test_the_old_tokenizer_managers_streams_end_when_its_actor_restarts(nursery, tokenizer):
+    from serving.runtime.interface import TokenizerManagerSlot
+
+    slot = TokenizerManagerSlot(lambda: TokenizerManager(tokenizer, scheduler="inproc://scheduler"))
+    old = slot.build()
+    old.ctx = RecordingContext(nursery)
+    chunks = []
+    nursery.start_soon(drain, old.generate(GenerateInput(input_ids=[5, 6], rid="r")), chunks)
+    await trio.testing.wait_all_tasks_blocked()
+    assert slot.build() is not old and slot.current is not old
+    await trio.testing.wait_all_tasks_blocked()
+    assert chunks[-1].finished.status_code == 503 and "restarted" in chunks[-1].finished.message
+    assert old.rid_to_state == {}
+
+
+async def test_a_remote_replica_that_answers_without_a_boot_is_up_not_an_error(nursery, tokenizer, autojump_clock):
+    seen = []
+    ctx = AnsweringContext(nursery, lambda address, msg: {"waiting": 0})  # another build: no "boot"
+    tm = TokenizerManager(tokenizer, scheduler=REPLICAS[:1], detokenizer=["inproc://d0"], remote={0},
+                          on_remote=lambda replica, up, cause: seen.append((replica, up, cause)))
+    tm.ctx = ctx
+    with trio.move_on_after(2.0):
+        await tm._watch_remote(0)
+    assert seen and set(seen) == {(0, True, "")}
+
+
+async def test_the_health_monitor_survives_any_exception_from_a_probe(autojump_clock):
+    from types import SimpleNamespace
+
+    from serving.http.state import HealthMonitor
+
+    class Unstarted:
+        async def call_scheduler(self, msg, timeout):
+            return self.ctx  # a manager probed before its on_start: AttributeError
+
+    monitor = HealthMonitor(SimpleNamespace(replicated=False, runtime=SimpleNamespace(tokenizer_manager=Unstarted())))
+    with trio.move_on_after(3.0):
+        await monitor.run()
+    assert "AttributeError" in monitor.last_problem
