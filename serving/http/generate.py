@@ -30,6 +30,7 @@ __all__ = ["chat_completions", "completions", "generate", "run_request"]
 _json = msgspec.json.Encoder()
 
 Renderer = Callable[[Chunk], Any | None]
+LARGE_ANSWER = 16_384  # tokens and top logprobs in a whole answer: rendered in a worker thread
 
 
 async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
@@ -132,6 +133,9 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
     for result in folded:
         if (failed := finish_error(result["finished"])) is not None:
             return failed
+    entries = sum(len(r["output_ids"]) + sum(len(top) for top in r["top_logprobs"]) for r in folded)
+    if entries > LARGE_ANSWER:  # rendered (logprobs, each token's text) and encoded off the event loop
+        return await trio.to_thread.run_sync(lambda: JSONResponse(whole(folded)))
     return JSONResponse(whole(folded))
 
 
@@ -242,12 +246,15 @@ async def _openai(request: Request, state: ServerState, kind: str, shape: type,
     state.refuse_if_overloaded()
     req = await decode_body(request, shape)
     state.check_model(req.model)
-    obj = _convert(convert, req)
+    if any(getattr(req, name, None) for name in ("tools", "response_format", "structured_outputs", "guided_json")):
+        obj = await trio.to_thread.run_sync(_convert, convert, req)  # schemas are compiled and dumped: off the loop
+    else:
+        obj = _convert(convert, req)
     prompts = 1
     if kind == "completion" and not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))):
         prompts = len(req.prompt)
     responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n,
-                          tools=obj.tools is not None)
+                          tools=obj.tools is not None, strings=state.token_strings)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run_request(
         request, state, obj, responder.whole, responder.stream_chunk,
@@ -257,4 +264,4 @@ async def _openai(request: Request, state: ServerState, kind: str, shape: type,
 
 # the sampling fields as OpenAI's requests name them
 OPENAI_NAMES = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
-                "sampling_params.": ""}
+                "top_logprobs_num": "logprobs", "sampling_params.": ""}

@@ -37,7 +37,7 @@ from ..managers.messages import (
     TopP,
 )
 from ..managers.grammar import GrammarError, constraint_of
-from ..managers.inputs import checked_grammar
+from ..managers.inputs import check_tools, checked_grammar
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
 from ..managers.tools import ToolStream, auto_grammar, call_grammar, parse
 
@@ -232,6 +232,7 @@ class ChatRequest(_Common):
     def tool_use(self) -> tuple[list[dict[str, Any]] | None, str | None]:
         """(the tools the model sees, the lark grammar that enforces a call) from tools and tool_choice."""
         tools = [msgspec.to_builtins(t) for t in self.tools or []]
+        check_tools(tools)  # before compiling each one's schema
         choice = self.tool_choice or ("auto" if tools else "none")
         if choice == "none" or not tools:
             if choice not in ("none", "auto"):
@@ -342,17 +343,42 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
+class TokenStrings:
+    """Each token id's text and UTF-8 bytes as logprobs show them, decoded once per id and kept (at
+    most one entry per id of the vocabulary): rendering n × tokens × top_logprobs entries costs dict
+    look-ups, not that many ``tokenizer.decode`` calls. Share one per tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def utf8(self, token: int) -> list[int]:
+        """The bytes of ``text(token)``, as a list (shared: render it, never change it)."""
+        data = self._bytes.get(token)
+        if data is None:
+            data = self._bytes[token] = list(self.text(token).encode())
+        return data
+
+
 class Responder:
     """Builds one request's responses (whole or streamed) in the OpenAI shapes."""
 
     def __init__(self, kind: str, model: str, tokenizer: Any, num_choices: int, n: int = 1,
-                 tools: bool = False) -> None:
+                 tools: bool = False, strings: TokenStrings | None = None) -> None:
         self.kind = kind  # "completion" | "chat"
         self.tools = tools  # the answer may hold tool calls (Hermes format): parse them out
         self.streams = [ToolStream() for _ in range(num_choices)] if tools else []
         self.n = n
         self.model = model
         self.tokenizer = tokenizer
+        self.strings = strings if strings is not None else TokenStrings(tokenizer)
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
         self.prompt_tokens = [0] * num_choices
@@ -372,23 +398,21 @@ class Responder:
     def _logprobs(self, chunk_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> Any:
         if not logprobs:
             return None
-        tokens = [self.tokenizer.decode([t]) for t in chunk_ids]
+        text = self.strings.text
+        tokens = [text(t) for t in chunk_ids]
         if self.kind == "chat":
+            utf8 = self.strings.utf8
             content = []
-            for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            for i, (t, lp) in enumerate(zip(chunk_ids, logprobs)):
                 alternatives = top[i] if i < len(top) else []
                 content.append({
-                    "token": token, "logprob": lp, "bytes": list(token.encode()),
-                    "top_logprobs": [
-                        {"token": self.tokenizer.decode([t]), "logprob": v, "bytes": list(self.tokenizer.decode([t]).encode())}
-                        for t, v in alternatives
-                    ],
+                    "token": text(t), "logprob": lp, "bytes": utf8(t),
+                    "top_logprobs": [{"token": text(a), "logprob": v, "bytes": utf8(a)} for a, v in alternatives],
                 })
             return {"content": content}
         return {
             "tokens": tokens, "token_logprobs": logprobs,
-            "top_logprobs": [{self.tokenizer.decode([t]): v for t, v in (top[i] if i < len(top) else [])}
-                             for i in range(len(tokens))],
+            "top_logprobs": [{text(t): v for t, v in (top[i] if i < len(top) else [])} for i in range(len(tokens))],
             "text_offset": [],
         }
 

@@ -49,6 +49,7 @@ class Detokenized(msgspec.Struct):
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:
+    state.refuse_if_overloaded()  # the same gate as generation: 503 before the body is read
     body = await decode_body(request, TokenizeBody)
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -66,16 +67,24 @@ async def tokenize(request: Request, state: ServerState) -> Response:
             text = body.prompt
         return list(tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids)
 
-    size = len(body.prompt or "") + sum(len(str(m.get("content", ""))) for m in body.messages or [])
+    size = len(body.prompt or "") + (len(msgspec.json.encode(body.messages)) if body.messages else 0)
     tokens = await trio.to_thread.run_sync(encode) if size > LARGE else encode()
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": await state.context_len()})
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
+    state.refuse_if_overloaded()  # the same gate as generation: 503 before the body is read
     body = await decode_body(request, DetokenizeBody)
     state.check_model(body.model)
     tokenizer = state.runtime.tokenizer
-    bad = next((t for t in body.tokens if t >= len(tokenizer)), None)
-    if bad is not None:
-        raise BadRequest(f"tokens: token id {bad} is outside the vocabulary (size {len(tokenizer)})", "tokens")
-    return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+
+    def decode() -> str:
+        vocab = len(tokenizer)
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise BadRequest(f"tokens: token id {bad} is outside the vocabulary (size {vocab})", "tokens")
+        return tokenizer.decode(body.tokens)
+
+    # millions of ids take seconds to check and decode: in a worker thread, so other streams never stall
+    text = await trio.to_thread.run_sync(decode) if len(body.tokens) > LARGE else decode()
+    return JSONResponse({"prompt": text})

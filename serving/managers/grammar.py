@@ -25,7 +25,9 @@ with a schema nobody sent before pays 1 ms, not 17.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -36,7 +38,7 @@ import torch
 # (not llguidance.torch: it compiles a kernel with torch.compile when imported, which pulls in
 # inductor; the masks are filled through the executor directly and applied in models/sampling.py)
 
-__all__ = ["GrammarError", "Grammars", "compile_grammar", "constraint_of"]
+__all__ = ["GrammarCache", "GrammarError", "Grammars", "compile_grammar", "constraint_of"]
 
 KINDS = ("json_schema", "regex", "ebnf", "grammar")
 
@@ -85,29 +87,64 @@ def _build(kind: str, text: str) -> str:
         raise GrammarError(f"{kind}: {' '.join(str(exc).split())}") from None
 
 
+class GrammarCache:
+    """Compiled grammars by (kind, text), least recently used first out, bounded by the characters
+    held (the texts and what they compile to), not by their count: 512 entries of up to 1 MiB each
+    would be half a GiB. Safe to share between threads."""
+
+    def __init__(self, max_chars: int = 32 << 20) -> None:
+        self.max_chars = max_chars
+        self.chars = 0
+        self._entries: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def get(self, kind: str, text: str, compile: Callable[[], str]) -> str:
+        """The cached grammar of (kind, text), else ``compile()`` (outside the lock), kept if it fits."""
+        key = (kind, text)
+        with self._lock:
+            grammar = self._entries.get(key)
+            if grammar is not None:
+                self._entries.move_to_end(key)
+                return grammar
+        grammar = compile()
+        size = len(kind) + len(text) + len(grammar)
+        if size > self.max_chars:
+            return grammar
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = grammar
+                self.chars += size
+            while self.chars > self.max_chars:
+                (k, t), g = self._entries.popitem(last=False)
+                self.chars -= len(k) + len(t) + len(g)
+        return grammar
+
+
 class Grammars:
     """Compiled grammars (cached by text) and their matchers, for one tokenizer.
 
     ``vocab_size``: the model's (its logits may be wider than the tokenizer's
     vocabulary; the extra ids are never allowed)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_size: int = 512) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, cache_chars: int = 32 << 20) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.vocab_size = self.tokenizer.vocab_size
         self.executor = llguidance.LLExecutor()
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache = GrammarCache(cache_chars)
 
     def compile(self, kind: str, text: str) -> str:
-        key = (kind, text)
-        grammar = self._cache.get(key)
-        if grammar is not None:
-            self._cache.move_to_end(key)
-            return grammar
-        grammar = self._cache[key] = compile_grammar(kind, text, self.tokenizer)
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return grammar
+        return self._cache.get(kind, text, lambda: compile_grammar(kind, text, self.tokenizer))
+
+    def compiled(self, kind: str, text: str) -> bool:
+        """Whether ``compile(kind, text)`` would answer from the cache (at once)."""
+        return (kind, text) in self._cache
 
     def matcher(self, kind: str, text: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, self.compile(kind, text))

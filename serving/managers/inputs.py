@@ -11,7 +11,6 @@ starts with the field it is about.
 
 from __future__ import annotations
 
-import functools
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -20,12 +19,12 @@ import msgspec
 
 from models.sampling import random_seed
 
-from .grammar import GrammarError, compile_grammar, constraint_of
+from .grammar import GrammarCache, GrammarError, compile_grammar, constraint_of
 from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
 from .tools import hermes_messages
 
 __all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest",
-           "check_samples", "sample_seed", "samples"]
+           "check_samples", "check_tools", "input_size", "sample_seed", "samples"]
 
 
 class InvalidRequest(ValueError):
@@ -61,6 +60,7 @@ class RequestLimits:
     max_samples: int = 256  # sub-requests (prompts × n) in one request
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters of one stop string
+    max_logprobs: int = 2_097_152  # logprob entries: samples × max_new_tokens × (1 + top_logprobs)
     context_len: int | None = None  # prompt + max_new_tokens; None: the scheduler's own check only
 
 
@@ -76,10 +76,12 @@ GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM treats
 LARGE_INPUT_CHARS = 16_384
 
 
-@functools.lru_cache(maxsize=256)
+_CHECKED = GrammarCache(32 << 20)  # bounded by characters held, not by count (texts of up to 1 MiB)
+
+
 def checked_grammar(kind: str, text: str) -> str:
     """A constraint checked once per text (GrammarError names what is wrong)."""
-    return compile_grammar(kind, text)
+    return _CHECKED.get(kind, text, lambda: compile_grammar(kind, text))
 
 
 def _counted(obj: GenerateInput) -> tuple[int, int]:
@@ -117,6 +119,38 @@ def check_samples(obj: GenerateInput, limits: RequestLimits) -> int:
     return count
 
 
+def input_size(obj: GenerateInput) -> int:
+    """About how much work expanding ``obj`` is: characters of every text it holds (prompts, whole
+    messages and tools, constraints, stop strings) plus every token id (all prompts of a batch)."""
+    texts = [obj.text] if isinstance(obj.text, str) else (obj.text or [])
+    size = sum(len(t) for t in texts)
+    if obj.messages or obj.tools:
+        size += len(msgspec.json.encode([obj.messages or [], obj.tools or []]))
+    ids = obj.input_ids or []
+    size += sum(len(p) if isinstance(p, list) else 1 for p in ids)
+    params = obj.sampling_params
+    for p in params if isinstance(params, list) else [params] if params is not None else []:
+        size += sum(len(getattr(p, kind) or "") for kind in ("json_schema", "regex", "ebnf", "grammar"))
+        size += sum(len(s) for s in p.stop)
+    return size
+
+
+MAX_TOOLS = 128  # tools in one request
+MAX_TOOLS_CHARS = 1 << 20  # their JSON together, as much as one constraint may hold
+
+
+def check_tools(tools: list[Any] | None) -> None:
+    """InvalidRequest past ``MAX_TOOLS`` tools or ``MAX_TOOLS_CHARS`` of their JSON: each tool's schema
+    is compiled, and all of them are rendered into the prompt."""
+    if not tools:
+        return
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"tools: {len(tools)} tools; at most {MAX_TOOLS}")
+    size = len(msgspec.json.encode(tools))
+    if size > MAX_TOOLS_CHARS:
+        raise InvalidRequest(f"tools: {size} bytes of tool definitions; at most {MAX_TOOLS_CHARS} together")
+
+
 def sample_seed(seed: int, k: int) -> int:
     """The seed of sample ``k`` of a request seeded ``seed``: ``seed + k`` as vLLM derives it, wrapped
     like an int64 addition (``2**63 - 1`` then ``-2**63``), so it always fits the wire's Int64."""
@@ -134,10 +168,9 @@ class Expander:
 
     @staticmethod
     def is_large(obj: GenerateInput) -> bool:
-        texts = [obj.text] if isinstance(obj.text, str) else (obj.text or [])
-        size = sum(len(t) for t in texts)
-        size += sum(len(str(m.get("content", ""))) for m in obj.messages or [])
-        return size > LARGE_INPUT_CHARS or len(obj.input_ids or ()) > LARGE_INPUT_CHARS
+        """Whether expanding ``obj`` may take long enough to stall the event loop: every input counts
+        (texts, whole messages, tools, constraints, stop strings, each id of a batch of prompts)."""
+        return input_size(obj) > LARGE_INPUT_CHARS
 
     def expand(self, obj: GenerateInput) -> list[SubRequest]:
         """The sub-requests of ``obj``: one per prompt × n."""
@@ -170,7 +203,19 @@ class Expander:
                     seed = random_seed() if p.temperature > 0 else None
                 sub_rid = rid if p.n == 1 else f"{rid}-{k}"
                 subs.append(SubRequest(sub_rid, ids, msgspec.structs.replace(p, seed=seed, n=1)))
+        if obj.return_logprob:
+            self._check_logprobs(subs, obj.top_logprobs_num)
         return subs
+
+    def _check_logprobs(self, subs: list[SubRequest], top: int) -> None:
+        """Logprobs are rendered at the end of a request (each token and its ``top`` alternatives):
+        their count, samples × max_new_tokens × (1 + top), is bounded by ``limits.max_logprobs``."""
+        entries = sum(sub.sampling.max_new_tokens for sub in subs) * (1 + top)
+        if entries > self.limits.max_logprobs:
+            raise InvalidRequest(
+                f"top_logprobs_num: {entries} logprob entries asked for (samples × sampling_params.max_new_tokens "
+                f"× (1 + top logprobs)); this server returns at most {self.limits.max_logprobs} in one request "
+                "(server.max_logprobs): ask for fewer tokens, samples or top logprobs")
 
     def _check(self, p: SamplingParams, prompt_len: int) -> None:
         if (problem := p.check()) is not None:
@@ -208,6 +253,7 @@ class Expander:
         if len(given) != 1:
             raise InvalidRequest("give exactly one of text, input_ids or messages")
         if obj.messages is not None:
+            check_tools(obj.tools)
             return [self._chat(obj.messages, obj.tools)]
         if obj.tools is not None:
             raise InvalidRequest("tools: only with messages")

@@ -28,7 +28,7 @@ from models.loading import load_model, load_tokenizer, tiny_model
 from models.runner import ModelRunner, StepOutput
 
 from .batching import Batch, BatchState, Limits, Output
-from .grammar import Grammars
+from .grammar import Grammars, constraint_of
 from .journal import StepJournal, journal_path
 from .messages import (
     AbortReq,
@@ -158,6 +158,7 @@ class Scheduler(Actor):
         self._grammars_ready = trio.Event()
         self._awaiting_grammars: list[GenerateReq] = []  # constrained requests, until the tables are built
         self._aborted_waiting: set[str] = set()
+        self._compiling: dict[str, GenerateReq] = {}  # constrained requests whose grammar compiles in a thread
         self._journal: StepJournal | None = None  # which requests the step running now holds (journal.py)
         self.steps = 0
         self.started_at = time.time()
@@ -216,6 +217,9 @@ class Scheduler(Actor):
             case GenerateReq():
                 if _constrained(msg) and not self._grammars_ready.is_set():
                     self._wait_for_grammars(msg)
+                elif _constrained(msg) and (constraint := self._uncompiled(msg)) is not None:
+                    self._compiling[msg.rid] = msg
+                    self.ctx.nursery.start_soon(self._compile_then_add, msg, constraint)
                 else:
                     self._end(self._add(msg))
             case Refused(GenerateReqId() as refused, error):
@@ -223,6 +227,7 @@ class Scheduler(Actor):
             case AbortReq(rid, message):
                 if any(m.rid == rid for m in self._awaiting_grammars):
                     self._aborted_waiting.add(rid)
+                self._compiling.pop(rid, None)
                 self._end(state.abort(rid, FinishReason("abort", message=message)))
             case AbortWhere(rid, worker, message, spare_boot):
                 return self._abort_where(rid, worker, message, spare_boot)
@@ -243,6 +248,36 @@ class Scheduler(Actor):
                 return await self._update_weights(path)
         self._wakeup.set()
         return None
+
+    def _uncompiled(self, msg: GenerateReq) -> tuple[str, str] | None:
+        """The constraint of ``msg`` when its grammar is not compiled yet (else None: ``_add`` has it at once,
+        or refuses it)."""
+        grammars = self.state.grammars
+        try:
+            constraint = constraint_of(msg.sampling)
+        except Exception:  # noqa: BLE001 - a malformed constraint: _add refuses it
+            return None
+        if grammars is None or constraint is None or grammars.compiled(*constraint):
+            return None
+        return constraint
+
+    async def _compile_then_add(self, msg: GenerateReq, constraint: tuple[str, str]) -> None:
+        """A grammar not seen before compiles in a worker thread (a schema of up to 1 MiB takes long enough
+        to stall every request of this scheduler); then the request is queued. An abort meanwhile drops it."""
+        try:
+            await trio.to_thread.run_sync(self.state.grammars.compile, *constraint)
+            problem = None
+        except Exception as exc:  # noqa: BLE001 - the request's fault: it ends alone
+            problem = exc
+        if self._compiling.get(msg.rid) is not msg:  # aborted while it compiled
+            return
+        del self._compiling[msg.rid]
+        if problem is None:
+            self._end(self._add(msg))
+        else:
+            self._end(self.state.refuse(msg, FinishReason(
+                "abort", status_code=400, message=f"the request could not be scheduled: {problem!r}")))
+        self._wakeup.set()
 
     def _add(self, msg: GenerateReq) -> Output | None:
         """Queue a request; one that cannot be queued (whatever the reason) ends alone."""
@@ -289,6 +324,12 @@ class Scheduler(Actor):
                   and (worker is None or req.worker == worker) and (spare_boot is None or req.boot != spare_boot)]
         for wire_rid in chosen:
             self._end(state.abort(wire_rid, FinishReason("abort", message=message)))
+        for msg in [*self._compiling.values(), *self._awaiting_grammars]:  # not queued yet: dropped before they are
+            if (rid is None or msg.rid.rpartition("#")[0] == rid or msg.rid == rid) and \
+                    (worker is None or msg.worker == worker):
+                self._compiling.pop(msg.rid, None)
+                if msg in self._awaiting_grammars:
+                    self._aborted_waiting.add(msg.rid)
         if chosen:
             log.info("aborted %d requests (rid %s, worker %s): %s", len(chosen), rid, worker, message)
         self._wakeup.set()

@@ -65,6 +65,8 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     max_samples: int = 256  # sub-requests (prompts × n) in one request; each counts as a request in flight
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters
+    # logprob entries one request may ask for: samples × max_new_tokens × (1 + top_logprobs)
+    max_logprobs: int = 2_097_152
     # /update_weights_from_disk: paths under the model's own directory or one of these only
     weights_roots: list[str] = []
     weights_drain_timeout: float = 60.0  # requests in flight must finish within this, else 409
@@ -193,6 +195,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (1 <= self.server.max_samples <= 65536, "server.max_samples", "must be in 1..65536"),
             (0 <= self.server.max_stop_strings <= 1024, "server.max_stop_strings", "must be in 0..1024"),
             (1 <= self.server.max_stop_length <= 65536, "server.max_stop_length", "must be in 1..65536"),
+            (1 <= self.server.max_logprobs <= 2**31, "server.max_logprobs", "must be in 1..2147483648"),
             (self.server.weights_drain_timeout > 0, "server.weights_drain_timeout", "must be > 0"),
             (self.server.request_wait > 0, "server.request_wait", "must be > 0"),
             (self.server.request_timeout is None or self.server.request_timeout > 0, "server.request_timeout",
@@ -452,7 +455,7 @@ def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[s
     those up now (default: all)."""
     server = topology.server
     limits = RequestLimits(server.max_batch_size, server.max_samples, server.max_stop_strings,
-                           server.max_stop_length)
+                           server.max_stop_length, max_logprobs=server.max_logprobs)
     replicas = replicas or [addresses]
     return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
                             detokenizer=[r["detokenizer"] for r in replicas],
