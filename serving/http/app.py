@@ -45,7 +45,7 @@ from .admin import (
     server_info,
     update_weights_from_disk,
 )
-from .errors import BadRequest, error
+from .errors import BadRequest, BodyBudget, error
 from .generate import chat_completions, completions, generate
 from .metrics import Metrics
 from .openapi import OPEN, openapi
@@ -151,6 +151,10 @@ def build_app(topology: Topology, open_runtime: RuntimeOpener, *, metrics: Metri
                     exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.ready = trio.Event()
     app.state.max_request_bytes = parse_size(server.max_request_bytes, "server.max_request_bytes")
+    budget = server.max_body_bytes_in_flight
+    app.state.body_budget = BodyBudget(2 * app.state.max_request_bytes if budget is None
+                                       else parse_size(budget, "server.max_body_bytes_in_flight"))
+    app.state.body_timeout = server.body_timeout
     return app
 
 

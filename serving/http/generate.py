@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..managers.messages import FinishReason, SamplingParams
-from ..managers.inputs import check_samples
+from ..managers.inputs import bounded_input, check_samples
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest, fold
 from .errors import BadRequest, decode_body, error_body, finish_error, param_of
 from .openai_api import ChatRequest, CompletionRequest, Responder, chat_input, completion_input
@@ -181,7 +181,14 @@ def _sse(data: Any) -> bytes:
 async def generate(request: Request, state: ServerState) -> Response:
     """SGLang's native API: one prompt or a batch; every streamed chunk holds the text so far."""
     state.refuse_if_overloaded()
-    obj = await decode_body(request, GenerateInput)
+    context, limits = await state.context_len(), state.runtime.tokenizer_manager.limits
+    try:  # a prompt of ids longer than the context window is refused by the decoder, not copied and scanned
+        obj = await decode_body(request, bounded_input(context, limits.max_batch_size))
+    except BadRequest as exc:
+        if exc.param and exc.param.startswith("input_ids") and "length <=" in str(exc):
+            raise BadRequest(f"{exc.param}: longer than the context window ({context} tokens), or more than "
+                             f"{max(context, limits.max_batch_size)} prompts", exc.param) from None
+        raise
     single = obj.text is None or isinstance(obj.text, str)
     single = single and (obj.input_ids is None or not obj.input_ids or not isinstance(obj.input_ids[0], list))
     params = obj.sampling_params

@@ -11,6 +11,7 @@ starts with the field it is about.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -24,7 +25,7 @@ from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
 from .tools import hermes_messages
 
 __all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest",
-           "check_samples", "check_tools", "input_size", "sample_seed", "samples"]
+           "bounded_input", "check_samples", "check_tools", "input_size", "sample_seed", "samples"]
 
 
 class InvalidRequest(ValueError):
@@ -50,6 +51,16 @@ class GenerateInput(msgspec.Struct, forbid_unknown_fields=True):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
+
+
+@functools.lru_cache(maxsize=8)
+def bounded_input(max_prompt: int, max_batch: int) -> type[GenerateInput]:
+    """``GenerateInput`` whose ``input_ids`` hold at most ``max_prompt`` ids a prompt (the context window)
+    and ``max_batch`` prompts: the decoder refuses a longer one before anything copies or scans it."""
+    prompt = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=max_prompt)]
+    outer = Annotated[list[TokenId | prompt], msgspec.Meta(max_length=max(max_prompt, max_batch))]
+    return msgspec.defstruct("GenerateInput", [("input_ids", outer | None, None)], bases=(GenerateInput,),
+                             forbid_unknown_fields=True, module=__name__)
 
 
 @dataclass(frozen=True)

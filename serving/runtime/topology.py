@@ -61,6 +61,9 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     max_loop_lag: float = 0.5  # seconds: new requests get 503 while the event loop runs this late
     # bounds on what one request may ask
     max_request_bytes: int | str = "32MiB"  # a larger body is refused with 413, unread
+    max_body_bytes_in_flight: int | str | None = None  # bodies read and decoded at once (503 past it);
+    # None: twice max_request_bytes
+    body_timeout: float = 60.0  # seconds for a whole body to arrive; a slower upload gets 408
     max_batch_size: int = 256  # prompts in one /generate
     max_samples: int = 256  # sub-requests (prompts × n) in one request; each counts as a request in flight
     max_stop_strings: int = 16
@@ -196,6 +199,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (0 <= self.server.max_stop_strings <= 1024, "server.max_stop_strings", "must be in 0..1024"),
             (1 <= self.server.max_stop_length <= 65536, "server.max_stop_length", "must be in 1..65536"),
             (1 <= self.server.max_logprobs <= 2**31, "server.max_logprobs", "must be in 1..2147483648"),
+            (self.server.body_timeout > 0, "server.body_timeout", "must be > 0"),
             (self.server.weights_drain_timeout > 0, "server.weights_drain_timeout", "must be > 0"),
             (self.server.request_wait > 0, "server.request_wait", "must be > 0"),
             (self.server.request_timeout is None or self.server.request_timeout > 0, "server.request_timeout",
@@ -212,6 +216,10 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         self.hub_options(generate=False)
         if parse_size(self.server.max_request_bytes, "server.max_request_bytes") < 1024:
             raise TopologyError("server.max_request_bytes: must be at least 1KiB")
+        if self.server.max_body_bytes_in_flight is not None and \
+                parse_size(self.server.max_body_bytes_in_flight, "server.max_body_bytes_in_flight") < \
+                parse_size(self.server.max_request_bytes, "server.max_request_bytes"):
+            raise TopologyError("server.max_body_bytes_in_flight: must be at least server.max_request_bytes")
         placements = [(f"actors.{name}", getattr(self.actors, name))
                       for name in ("scheduler", "detokenizer", "tokenizer")]
         for i, replica in enumerate(self.actors.replicas or []):

@@ -4,6 +4,8 @@
 bounded by what they hold. Through real HTTP on the default topology (the tiny model): the status, a
 bound on the wait, /health under 1 s meanwhile, and no restart after."""
 
+from contextlib import AsyncExitStack
+
 import httpx
 import pytest
 import trio
@@ -13,6 +15,7 @@ from serving.managers.inputs import LARGE_INPUT_CHARS, Expander, GenerateInput
 from serving.managers.messages import SamplingParams
 
 from .test_derived import answered, assert_nothing_left
+from .test_hostile import health_latency_while
 from .test_http import start_server
 
 WAIT_S = 60
@@ -106,4 +109,64 @@ async def test_work_per_request_is_bounded_and_off_the_event_loop(nursery):
             while runtime.tokenizer_manager.rid_to_state or (await client.get("/server_info")).json()["running"]:
                 await trio.sleep(0.02)
         assert (await client.post("/tokenize", json={"prompt": "hi"})).status_code == 200
+        await assert_nothing_left(client, runtime)
+
+
+async def _partial_upload(port: int, declared: int, sent: int) -> trio.SocketStream:
+    """A connection whose POST /generate declares ``declared`` bytes and has sent ``sent`` so far."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"POST /generate HTTP/1.1\r\nhost: tercet\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n" % declared + b" " * sent)
+    return stream
+
+
+async def posted(client, body: bytes):
+    """POST /generate of raw ``body`` (within ``WAIT_S``), /health under 1 s meanwhile."""
+    with trio.fail_after(WAIT_S):
+        slowest, r = await health_latency_while(client, lambda: client.post("/generate", content=body))
+    assert slowest < 1.0, slowest
+    return r
+
+
+async def _status_line(stream: trio.SocketStream) -> bytes:
+    data = b""
+    while b"\r\n" not in data:
+        part = await stream.receive_some(4096)
+        assert part, data
+        data += part
+    return data.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.slow
+async def test_bodies_read_at_once_are_bounded_and_a_slow_upload_times_out(nursery):
+    url, app = await start_server(nursery, "default", **{
+        "model.dtype": "float32", "server.max_request_bytes": "48KiB", "server.max_body_bytes_in_flight": "64KiB",
+        "server.body_timeout": 3.0})
+    runtime = app.state.server.runtime
+    port = int(url.rsplit(":", 1)[1])
+    async with AsyncExitStack() as held:
+        client = await held.enter_async_context(httpx.AsyncClient(base_url=url, timeout=WAIT_S))
+        body = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}' + b" " * 40_000
+        slow = await _partial_upload(port, 45_000, 40_000)  # holds 40 KB of the 64 KiB being read
+        held.callback(slow.socket.close)
+        with trio.fail_after(WAIT_S):
+            while app.state.body_budget.used < 40_000:
+                await trio.sleep(0.01)
+        r = await posted(client, body)
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        assert "server.max_body_bytes_in_flight" in r.json()["error"]["message"], r.text
+        # the slow upload ends with 408 at server.body_timeout, and gives its bytes back
+        with trio.fail_after(WAIT_S):
+            assert await _status_line(slow) == b"HTTP/1.1 408 ", "no 408"
+        assert app.state.body_budget.used == 0
+        r = await posted(client, body)
+        assert r.status_code == 200, r.text
+        # a prompt of ids longer than the context window is refused by the decoder
+        context = await app.state.server.context_len()
+        r = await answered(client, "/generate", {"input_ids": [28] * (context + 1)})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "input_ids" and "context window" in error["message"], error
+        r = await answered(client, "/generate", {"input_ids": [[28], [28] * (context + 1)]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids[1]", r.text
         await assert_nothing_left(client, runtime)
