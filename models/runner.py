@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class ModelRunner:
         self.split = DEFAULT_SPLIT if deterministic and not self.cpu_kernel else None  # torch / triton split-KV
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
+        self.weights_digest = weights_digest(model.state_dict)  # which weights serve (reported, compared)
         self.max_context_len = getattr(model.config, "max_position_embeddings", None)
         upcast = self.device.type == "cpu" and not cpu_has_bf16()
         self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast,
@@ -170,14 +172,35 @@ class ModelRunner:
 
     def reload_weights(self, path: str) -> None:
         """Replace the weights with those at `path`, of the same architecture and shapes
-        (the KV pool stays as it is); `ModelLoadError` leaves the old weights in place."""
+        (the KV pool stays as it is), once a one-token step on them gave finite logits;
+        `ModelLoadError` leaves the old weights in place (also when that probe fails)."""
         loaded = load_model(path)
         old, new = shape_of(self.config), shape_of(loaded.config)
         for name in SHAPE_FIELDS:
             if old[name] != new[name]:
                 raise ModelLoadError(f"{path}: {name} is {new[name]}, the running model has {old[name]}")
-        self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast,
-                              invariant=self.deterministic, fused=self.cpu_kernel)
+        digest = weights_digest(loaded.state_dict)
+        previous = self.model
+        try:
+            self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast,
+                                  invariant=self.deterministic, fused=self.cpu_kernel)
+            self.probe()
+        except Exception as exc:  # noqa: BLE001 - weights that load but cannot step: never committed
+            self.model = previous
+            raise ModelLoadError(f"{path}: these weights fail a one-token step ({exc}); the old weights "
+                                 "keep serving") from None
+        self.weights_digest = digest
+
+    def probe(self) -> None:
+        """One token through the model (a page of the pool, given back): ValueError unless its logits
+        are finite. Run only while no request holds the pool's free pages it needs."""
+        pages = self.kv.allocate(self.kv.pages_for(1))
+        try:
+            logits = self.logits([SeqInput([0], pages, sample=False)], [0])[0]
+        finally:
+            self.kv.free(pages)
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("its logits are not finite")
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqInput]) -> StepOutput:
@@ -226,6 +249,23 @@ class ModelRunner:
         )
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
         return order, batch, hidden
+
+
+def weights_digest(state_dict: dict) -> str:
+    """A fingerprint of a checkpoint: sha256 over each tensor's name, dtype, shape and up to 4,096 of its
+    elements, evenly spaced. Other weights differ in it, at the cost of a few reads per tensor rather
+    than hashing gigabytes (two checkpoints equal in every sampled element would share it)."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            h.update(f"{name}:{type(tensor).__name__};".encode())
+            continue
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(flat.numel() // 4096, 1)].contiguous().cpu()
+        h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)

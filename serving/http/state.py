@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -94,22 +93,20 @@ class ServerState:
 
     def weights_roots(self) -> list[Path]:
         """Where new weights may come from: the model's own directory and ``server.weights_roots``."""
-        roots = [Path(root) for root in self.topology.server.weights_roots]
-        path = self.topology.model.path
-        if path not in (None, "tiny"):
-            roots.append(Path(path) if Path(path).is_dir() else Path(path).parent)
-        return [root.resolve() for root in roots]
+        return [Path(root) for root in self.topology.weights_roots()]
 
     async def update_weights(self, path: str) -> str:
-        """Load new weights (drained first); the message, or BadRequest (the old weights stay)."""
-        if not os.path.exists(path):
-            raise BadRequest(f"model_path: {path} does not exist", "model_path")
+        """Load new weights (drained first); the message, or BadRequest (the old weights stay). The roots
+        are checked first (outside them, whether a path exists is not told), and the resolved path is
+        what loads (each scheduler checks it against the roots again)."""
         real = Path(path).resolve()
         if not any(real == root or root in real.parents for root in self.weights_roots()):
             raise BadRequest(f"model_path: {path} is outside the directories weights may be loaded from "
                              "(the model's own and server.weights_roots / --weights-root)", "model_path")
+        if not real.exists():
+            raise BadRequest(f"model_path: {path} does not exist", "model_path")
         try:
-            result = await self.runtime.update_weights(path)
+            result = await self.runtime.update_weights(str(real))
         except CallError as exc:
             raise BadRequest(f"the weights could not be updated: {exc}", status=503) from None
         if not result["success"]:

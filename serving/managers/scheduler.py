@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import uuid
@@ -70,6 +71,8 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     threads: int | None = None  # torch's intra-op threads in this scheduler; None: torch's default
     detokenizer: str = "inproc://detokenizer"
     tokenizer: str | None = None  # for constrained decoding; None: the embedded SmolLM2's
+    # where new weights may come from (resolved paths); checked here too, not only by HTTP. None: anywhere
+    weights_roots: list[str] | None = None
 
 
 def build_runner(config: SchedulerConfig) -> ModelRunner:
@@ -148,6 +151,7 @@ class Scheduler(Actor):
     def __init__(self, config: SchedulerConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.runner = runner
+        self.weights = config.model  # the path of the weights serving (one an update loaded, resolved)
         self.boot = uuid.uuid4().hex  # this incarnation: a watcher elsewhere sees a restart by it
         self.state: BatchState | None = None
         self._wakeup = trio.Event()
@@ -300,22 +304,41 @@ class Scheduler(Actor):
         self._end(self.state.refuse(refused, FinishReason(
             "abort", status_code=400, message=f"the scheduler refused this request: {wire_field(detail)}")))
 
+    def _weights_path(self, path: str) -> str | None:
+        """``path`` resolved, when it lies under one of ``config.weights_roots`` (else None): a peer on the
+        wire may send any path; the resolved one is what loads, so a link changed later cannot redirect it."""
+        real = os.path.realpath(path)
+        roots = self.config.weights_roots
+        if roots is None:
+            return real
+        return real if any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots) else None
+
     async def _update_weights(self, path: str) -> dict[str, Any]:
-        """New weights of the same shape; only between requests (the HTTP layer drains first)."""
+        """New weights of the same shape; only between requests (the HTTP layer drains first). They are
+        committed only once a one-token step on them works (else the old ones keep serving)."""
         if not self.state.idle:
             return {"success": False, "message": "requests are in flight; drain them first"}
+        real = self._weights_path(path)
+        if real is None:
+            return {"success": False, "status": 400, "message": f"{path} is outside the directories weights may "
+                    "be loaded from (the model's own and server.weights_roots / --weights-root)"}
+        if self.state.cache is not None:
+            self.state.cache.reset()  # (its pages free for the probe; their K/V would be stale after the swap)
         try:
-            await trio.to_thread.run_sync(self.runner.reload_weights, path)
+            await trio.to_thread.run_sync(self.runner.reload_weights, real)
         except ModelLoadError as exc:
             message = str(exc)
             return {"success": False, "message": message if path in message else f"{path}: {message}"}
         except Exception as exc:  # noqa: BLE001 - unreadable, malformed or unexpected: the old weights stay
             log.exception("weights from %s could not be loaded", path)
             return {"success": False, "message": f"{path}: cannot load these weights: {exc!r}"}
-        if self.state.cache is not None:
-            self.state.cache.reset()  # cached K/V came from the old weights
-        log.info("weights updated from %s", path)
-        return {"success": True, "message": f"weights loaded from {path}"}
+        self.weights = real
+        log.info("weights updated from %s (digest %s)", real, self.runner.weights_digest)
+        return {"success": True, "message": f"weights loaded from {path}", "weights": self.weights_info()}
+
+    def weights_info(self) -> dict[str, Any]:
+        """The weights this scheduler serves: where they were loaded from, and their digest."""
+        return {"path": self.weights, "digest": self.runner.weights_digest}
 
     def _abort_where(self, rid: str | None, worker: int | None, message: str, spare_boot: str | None = None) -> int:
         state = self.state
@@ -349,6 +372,7 @@ class Scheduler(Actor):
             "deterministic_inference": self.runner.deterministic,  # what runs, not only what was asked
             "invariance": self.runner.invariance(),
             "max_context_len": self.runner.context_len,
+            "weights": self.weights_info(),
             "waiting": len(state.waiting),
             "running": len(state.running),
             "requests_by_worker": _count_by_worker(state),

@@ -33,7 +33,7 @@ from actors import ActorChild, CallError, ChildSpec, RestartIntensityExceeded, S
 from models.loading import load_tokenizer
 from transports import open_hub
 
-from ..managers.messages import UpdateWeightsReq
+from ..managers.messages import ServerInfoReq, UpdateWeightsReq
 from ..managers.tokenizer_manager import TokenizerManager
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
 from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
@@ -62,6 +62,7 @@ class Supervised:
         self.tokenizer = tokenizer
         self.addresses = topology.addresses(runtime_dir)
         self.weights = topology.model.path  # the weights serving now: a restarted scheduler loads them
+        self.weights_digest: str | None = None  # theirs, once an update reported it (None: not compared)
 
     async def supervise(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the supervisor; ready once every child started. A start that fails raises;
@@ -197,17 +198,27 @@ class LocalRuntime(Supervised):
                     "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
         if result["success"]:
             self.weights = path  # a restarted scheduler loads these
+            self.weights_digest = (result.get("weights") or {}).get("digest")
         return result
 
     async def _load_weights(self, path: str) -> dict[str, Any]:
         tm = self.tokenizer_manager
         if self.replicas is None:
-            return await tm.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+            try:
+                return await tm.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
+            except CallError as exc:  # no answer in time: unknown, not failed; ask which weights serve now
+                return await self._weights_after(tm.schedulers[0], path, exc)
         tm.loading_weights = True  # (the remote ones' watch: a replica loading weights answers nothing else)
         try:
             answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
         finally:
             tm.loading_weights = False
+        for i, answer in answers.items():
+            if isinstance(answer, CallError):  # no answer in time: unknown, not failed; ask again
+                try:
+                    answers[i] = await self._weights_after(tm.schedulers[i], path, answer)
+                except CallError as exc:
+                    answers[i] = exc
         loaded = [i for i, a in answers.items() if not isinstance(a, BaseException) and a["success"]]
         if not loaded:  # the same load error everywhere (a bad path), or no replica answered
             answer = next(iter(answers.values()), CallError("no replica is up"))
@@ -233,7 +244,7 @@ class LocalRuntime(Supervised):
             return
         tm = self._tm.current
         if change == "up":
-            if replica in self.status.remote and self.weights != self.topology.model.path:
+            if replica in self.status.remote:  # whatever it loaded (a restart, another front end's update)
                 self._nursery.start_soon(self._reload_then_up, replica)
             else:
                 tm.replica_up(replica)
@@ -242,11 +253,34 @@ class LocalRuntime(Supervised):
         else:
             log.error("%s; %d replicas serve on", cause, len(self.status.pool))
 
+    async def _weights_after(self, scheduler: str, path: str, error: CallError, tries: int = 3) -> dict[str, Any]:
+        """The outcome of a load of ``path`` whose answer did not come (``error``): the scheduler is asked
+        which weights it serves (it answers once the load is over), up to ``tries`` times."""
+        tm = self._tm.current
+        for _ in range(tries):
+            try:
+                info = await tm.ctx.call(scheduler, ServerInfoReq(), timeout=600.0)
+            except CallError as exc:
+                error = exc
+                continue
+            serving = (info.get("weights") or {}).get("path")
+            if serving == path:
+                return {"success": True, "message": f"weights loaded from {path} (confirmed after: {error})",
+                        "weights": info["weights"]}
+            return {"success": False, "status": 503,
+                    "message": f"{path}: no answer to the load ({error}); the scheduler serves {serving}"}
+        raise error
+
     async def _reload_then_up(self, replica: int) -> None:
-        """A remote replica (re)started on the topology's weights: it takes requests once it loaded
-        the ones serving now (an update made them current), so every replica answers alike."""
+        """A remote replica (re)started: it takes requests once it serves the weights serving now (as it
+        reports them: path and digest; an update made them current), so every replica answers alike."""
         tm = self._tm.current
         try:
+            info = await tm.ctx.call(tm.schedulers[replica], ServerInfoReq(), timeout=600.0)
+            weights = info.get("weights") or {}
+            if weights.get("path") == self.weights and self.weights_digest in (None, weights.get("digest")):
+                tm.replica_up(replica)
+                return
             result = await tm.ctx.call(tm.schedulers[replica], UpdateWeightsReq(self.weights), timeout=600.0)
         except CallError as exc:
             result = {"success": False, "message": str(exc)}

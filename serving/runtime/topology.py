@@ -353,8 +353,17 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             stream_interval=s.stream_interval, enable_prefix_cache=s.enable_prefix_cache,
             deterministic=s.enable_deterministic_inference,
             step_timeout=self.watchdogs.step_timeout, threads=self.scheduler_threads(),
-            detokenizer=detokenizer, tokenizer=tokenizer_source(self.model),
+            detokenizer=detokenizer, tokenizer=tokenizer_source(self.model), weights_roots=self.weights_roots(),
         )
+
+    def weights_roots(self) -> list[str]:
+        """Where new weights may come from, resolved: the model's own directory and ``server.weights_roots``
+        (HTTP checks them, and each scheduler again: a peer on the wire may send any path)."""
+        roots = [Path(root) for root in self.server.weights_roots]
+        path = self.model.path
+        if path not in (None, "tiny"):
+            roots.append(Path(path) if Path(path).is_dir() else Path(path).parent)
+        return [str(root.resolve()) for root in roots]
 
 
 def _loopback(address: str, field: str) -> bool:

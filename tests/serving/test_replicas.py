@@ -259,8 +259,9 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
 # -- replicas started elsewhere (process: remote), as Kubernetes or Ray would ------------------
 
 
-def remote_topology(tmp_path, ports, model):
-    """Two remote replicas and the front end's mailbox, over tcp on loopback (the YAML file)."""
+def remote_topology(tmp_path, ports, model, weights_roots=()):
+    """Two remote replicas and the front end's mailbox, over tcp on loopback (the YAML file). A replica
+    loads new weights only from under its own ``weights_roots`` (it checks them itself)."""
     import yaml
 
     def at(port):
@@ -271,7 +272,7 @@ def remote_topology(tmp_path, ports, model):
     # kernel), and a random model's near-tied logits flip on it (seen once in three suites)
     data = {"model": {"path": model, "dtype": "float32"},
             "scheduler": {"replicas": 2, "enable_deterministic_inference": True},
-            "router": {"policy": "round_robin"},
+            "router": {"policy": "round_robin"}, "server": {"weights_roots": list(weights_roots)},
             "supervision": {"max_restarts": 20, "quarantine_after": 1000},
             "watchdogs": {"remote_timeout": 2.0},
             "actors": {"tokenizer": {"process": "main", "address": f"tcp://127.0.0.1:{ports[0]}"},
@@ -312,10 +313,9 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
     from ..conftest import free_tcp_port
     from .test_update_weights import GREEDY
 
-    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(5)], model_dirs["a"])
+    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(5)], model_dirs["a"], [model_dirs["root"]])
     replicas = [await start_replica(nursery, config, i) for i in range(2)]
-    url, app = await start_server(nursery, str(config), **{"model.path": model_dirs["a"],
-                                                            "server.weights_roots": [model_dirs["root"]]})
+    url, app = await start_server(nursery, str(config), **{"model.path": model_dirs["a"]})
     tm = app.state.server.runtime.tokenizer_manager
     status = app.state.server.runtime.status
     assert tm.remote == {0, 1} and app.state.server.runtime.replicas.specs == []  # none started here
