@@ -118,19 +118,22 @@ class ProcessChild:
                 [sys.executable, "-P", "-m", "actors.process", str(ready_write)],
                 stdin=subprocess.PIPE, pass_fds=(ready_write, *self.pass_fds), env=env,
             )
+        except BaseException:
+            os.close(ready_read)  # (no child: nobody will read it)
+            raise
         finally:
             os.close(ready_write)
         try:
             assert process.stdin is not None
-            await process.stdin.send_all(msgspec.json.encode(spec) + b"\n")
-            async with trio.lowlevel.FdStream(ready_read) as ready:
+            async with trio.lowlevel.FdStream(ready_read) as ready:  # closes ready_read however this ends
+                await process.stdin.send_all(msgspec.json.encode(spec) + b"\n")
                 with trio.move_on_after(self.ready_timeout) as waited:
                     line = await ready.receive_some()
                 if waited.cancelled_caught or not line.startswith(b"ready"):
                     code = await _exit_status(process, 1.0)
                     raise ChildStartError(
                         f"process {self.name!r} did not report ready"
-                        + (" in time" if waited.cancelled_caught else f" (exit status {code})")
+                        + (f" within {self.ready_timeout:g} s" if waited.cancelled_caught else f" (exit status {code})")
                     )
             log.info("process %s (pid %d) is ready", self.name, process.pid)
             task_status.started(self)

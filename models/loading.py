@@ -10,6 +10,7 @@ a conversion is served only while no other user could have written it
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -81,6 +82,19 @@ def converted_gguf_dir(gguf: Path) -> Path:
     except CacheNotPrivate as exc:
         raise ModelLoadError(f"converting {gguf.name}: the weights cache is not private: {exc}") from None
     target = root / f"{gguf.stem}-{_cache_key(gguf)}"
+    if (target / "tercet-source.json").is_file() and why_untrusted_tree(target) is None:
+        return target
+    # one conversion at a time per file (a replica's scheduler and detokenizer start together, and pods
+    # may share a cache): the others wait here, then find it done
+    with open(root / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _converted_locked(gguf, root, target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _converted_locked(gguf: Path, root: Path, target: Path) -> Path:
     if (target / "tercet-source.json").is_file():
         why = why_untrusted_tree(target)
         if why is None:

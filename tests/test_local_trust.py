@@ -289,3 +289,29 @@ def test_an_installed_package_adds_nothing_before_the_standard_library(monkeypat
     monkeypatch.setattr(site, "getsitepackages", lambda: [str(ROOT)])  # as if installed there
     monkeypatch.setattr(process, "PACKAGE_ROOT", process._package_root())
     assert process.PACKAGE_ROOT is None and import_path("/x") == "/x" and import_path(None) == ""
+
+
+def test_a_conversion_holds_a_lock_so_a_second_process_waits_and_reuses_it(cache, fake_gguf, monkeypatch):
+    """Issue 29 N12: a replica's scheduler and detokenizer start together; while one converts the GGUF
+    the other cannot take the file's lock (it waits, then finds the conversion done)."""
+    import fcntl
+
+    gguf, runs = fake_gguf
+    convert = loading._convert_gguf
+    held = []
+
+    def converting(source, out):
+        locks = list(out.parent.glob(".*.lock"))
+        assert len(locks) == 1, locks
+        with open(locks[0], "a") as other:  # another open file description: another process's view
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(locks[0])
+        convert(source, out)
+
+    monkeypatch.setattr(loading, "_convert_gguf", converting)
+    first = loading.converted_gguf_dir(gguf)
+    assert held and len(runs) == 1
+    with open(held[0], "a") as other:  # released once done
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert loading.converted_gguf_dir(gguf) == first and len(runs) == 1

@@ -41,7 +41,7 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
         scheduler = lambda: ProcessChild(  # noqa: E731
             sched.target or "serving.managers.scheduler:scheduler_child",
             {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
-            name="scheduler", kill_after=grace, hub=hub.options)
+            name="scheduler", kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout)
     else:
         scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
     if detok.process in ("child", "remote"):
@@ -49,7 +49,7 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
                 "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
         detokenizer = lambda: ProcessChild(  # noqa: E731
             detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
-            kill_after=grace, hub=hub.options)
+            kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout)
     else:
         detokenizer = lambda: ActorChild(  # noqa: E731
             lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)

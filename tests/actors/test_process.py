@@ -198,3 +198,16 @@ async def test_children_exit_when_their_parent_dies():
     finally:
         parent.kill()
         await parent.wait()
+
+
+async def test_a_process_that_cannot_be_spawned_leaves_no_descriptor_open(monkeypatch):
+    """L8: the ready pipe's read end is closed when the child cannot be started."""
+    def refuse(*args, **kwargs):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", refuse)
+    before = set(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(OSError, match="no processes left"):
+            await ProcessChild("tests.actors.processes:echo", {}, name="x").run()
+    assert set(os.listdir("/proc/self/fd")) <= before

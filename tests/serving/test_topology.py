@@ -140,3 +140,25 @@ def test_sizes():
     assert parse_size("256MiB", "x") == 256 * 2**20
     assert parse_size("1.5GB", "x") == 1_500_000_000
     assert parse_size(1024, "x") == 1024
+
+
+def test_child_processes_get_the_configured_start_timeout_and_the_scheduler_the_weight_roots(tmp_path):
+    """Issue 29 N12: loading a large model (or converting a GGUF) may take longer than 120 s: the time a
+    child has to report ready is watchdogs.start_timeout (900 s by default). N13a: the scheduler gets
+    the weight roots, resolved, to check an update itself."""
+    from types import SimpleNamespace
+
+    from serving.runtime.specs import core_specs
+
+    topology = load_topology("default", {"model.path": "tiny", "watchdogs.start_timeout": 1234.0,
+                                         "server.weights_roots": [str(tmp_path / "w" / "..")]})
+    assert load_topology("default").watchdogs.start_timeout == 900.0
+    addresses = topology.addresses(tmp_path)
+    specs = core_specs(topology, addresses, [addresses["tokenizer"]], SimpleNamespace(options=None), None,
+                       lambda: "tiny")
+    children = {spec.name: spec.start() for spec in specs}
+    assert {name: child.ready_timeout for name, child in children.items()} == \
+        {"scheduler": 1234.0, "detokenizer": 1234.0}
+    assert children["scheduler"].args["config"]["weights_roots"] == [str(tmp_path.resolve())]
+    with pytest.raises(TopologyError, match="watchdogs.start_timeout"):
+        load_topology("default", {"watchdogs.start_timeout": 0})
