@@ -39,7 +39,7 @@ from ..managers.messages import (
 from ..managers.grammar import GrammarError, constraint_of
 from ..managers.inputs import check_tools, checked_grammar
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
-from ..managers.tools import ToolStream, auto_grammar, call_grammar, parse
+from ..managers.tools import ToolStream, auto_grammar, call_grammar, parse, valid_calls
 
 __all__ = [
     "ChatRequest",
@@ -285,7 +285,7 @@ def chat_input(req: ChatRequest) -> GenerateInput:
     for i, message in enumerate(req.messages):
         if not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}].role: missing or not a string")
-        if message.get("tool_calls") is not None and not _valid_calls(message["tool_calls"]):
+        if message.get("tool_calls") is not None and not valid_calls(message["tool_calls"]):
             raise InvalidRequest(f"messages[{i}].tool_calls: each needs function.name and function.arguments "
                                  "(a JSON object, as text)")
         content = message.get("content")
@@ -312,20 +312,6 @@ def chat_input(req: ChatRequest) -> GenerateInput:
     )
 
 
-def _valid_calls(calls: Any) -> bool:
-    if not isinstance(calls, list):
-        return False
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            return False
-        arguments = function.get("arguments", "{}")
-        try:
-            if not isinstance(json.loads(arguments) if isinstance(arguments, str) else arguments, dict):
-                return False
-        except json.JSONDecodeError:
-            return False
-    return True
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

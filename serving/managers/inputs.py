@@ -22,7 +22,7 @@ from models.sampling import random_seed
 
 from .grammar import GrammarCache, GrammarError, compile_grammar, constraint_of
 from .messages import RequestId, SamplingParams, TokenId, TopLogprobs
-from .tools import hermes_messages
+from .tools import hermes_messages, valid_calls
 
 __all__ = ["DuplicateRequestError", "Expander", "GenerateInput", "InvalidRequest", "RequestLimits", "SubRequest",
            "bounded_input", "check_samples", "check_tools", "input_size", "sample_seed", "samples"]
@@ -150,9 +150,11 @@ MAX_TOOLS = 128  # tools in one request
 MAX_TOOLS_CHARS = 1 << 20  # their JSON together, as much as one constraint may hold
 
 
-def check_tools(tools: list[Any] | None) -> None:
-    """InvalidRequest past ``MAX_TOOLS`` tools or ``MAX_TOOLS_CHARS`` of their JSON: each tool's schema
-    is compiled, and all of them are rendered into the prompt."""
+def check_tools(tools: list[Any] | None, messages: list[dict[str, Any]] | None = None) -> None:
+    """InvalidRequest past ``MAX_TOOLS`` tools or ``MAX_TOOLS_CHARS`` of their JSON (each tool's schema
+    is compiled, and all of them are rendered into the prompt), for a tool not shaped as OpenAI's
+    (``{"type": "function", "function": {"name", "parameters"}}``), or, given ``messages``, for a
+    message without a role or with malformed ``tool_calls`` (all written into the prompt with tools)."""
     if not tools:
         return
     if len(tools) > MAX_TOOLS:
@@ -160,6 +162,19 @@ def check_tools(tools: list[Any] | None) -> None:
     size = len(msgspec.json.encode(tools))
     if size > MAX_TOOLS_CHARS:
         raise InvalidRequest(f"tools: {size} bytes of tool definitions; at most {MAX_TOOLS_CHARS} together")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("parameters", {}), dict | None):
+            raise InvalidRequest(f"tools[{i}]: a tool is {{\"type\": \"function\", \"function\": {{\"name\": "
+                                 "a string, \"parameters\": a JSON schema object}}")
+    for i, message in enumerate(messages or []):
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}].role: missing or not a string")
+        if message.get("tool_calls") is not None and not valid_calls(message["tool_calls"]):
+            raise InvalidRequest(f"messages[{i}].tool_calls: each needs function.name and function.arguments "
+                                 "(a JSON object, as text)")
 
 
 def sample_seed(seed: int, k: int) -> int:
@@ -264,7 +279,7 @@ class Expander:
         if len(given) != 1:
             raise InvalidRequest("give exactly one of text, input_ids or messages")
         if obj.messages is not None:
-            check_tools(obj.tools)
+            check_tools(obj.tools, obj.messages)
             return [self._chat(obj.messages, obj.tools)]
         if obj.tools is not None:
             raise InvalidRequest("tools: only with messages")

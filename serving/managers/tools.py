@@ -28,7 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PARSERS", "ToolCall", "ToolStream", "auto_grammar", "call_grammar", "hermes_messages", "parse"]
+__all__ = ["PARSERS", "ToolCall", "ToolStream", "auto_grammar", "call_grammar", "hermes_messages", "parse",
+           "valid_calls"]
 
 PARSERS = ("hermes",)  # --tool-call-parser (vLLM's names)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -81,6 +82,24 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
     else:
         out.insert(0, {"role": "system", "content": system})
     return out
+
+
+def valid_calls(calls: Any) -> bool:
+    """Whether ``calls`` (a message's ``tool_calls``) each have function.name and function.arguments
+    (a JSON object, as text or as an object)."""
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return False
+        arguments = function.get("arguments", "{}")
+        try:
+            if not isinstance(json.loads(arguments) if isinstance(arguments, str) else arguments, dict):
+                return False
+        except json.JSONDecodeError:
+            return False
+    return True
 
 
 def call_grammar(tools: list[dict[str, Any]], only: str | None = None, parallel: bool = True) -> str:

@@ -170,3 +170,26 @@ async def test_bodies_read_at_once_are_bounded_and_a_slow_upload_times_out(nurse
         r = await answered(client, "/generate", {"input_ids": [[28], [28] * (context + 1)]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids[1]", r.text
         await assert_nothing_left(client, runtime)
+
+
+@pytest.mark.slow
+async def test_generate_with_messages_and_malformed_tools_is_a_400(nursery):
+    """Issue 29 N14: /generate's messages with tools were rendered unchecked (a KeyError, a JSONDecodeError: 500)."""
+    url, app = await start_server(nursery, "default", **{"model.dtype": "float32"})
+    runtime = app.state.server.runtime
+    user = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad_call = [*user, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]
+    cases = [({"messages": user, "tools": [{}]}, "tools[0]"),
+             ({"messages": user, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+              "tools[0]"),
+             ({"messages": bad_call, "tools": [tool]}, "messages[1].tool_calls"),
+             ({"messages": [{"content": "x"}], "tools": [tool]}, "messages[0].role")]
+    async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
+        for body, param in cases:
+            r = await answered(client, "/generate", {**body, "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        r = await answered(client, "/generate", {"messages": user, "tools": [tool],
+                                                 "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        await assert_nothing_left(client, runtime)
