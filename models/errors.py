@@ -16,3 +16,11 @@ class OutOfPages(Exception):
 
 class InvalidBatch(ValueError):
     """A step was given an inconsistent SeqInput (page table too short, no tokens...)."""
+
+
+class NonFiniteLogits(ValueError):
+    """A step gave NaN logits for some of its rows (never sampled: a NaN argmax would pick token 0)."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"the model gave NaN logits (rows {rows} of the step)")
+        self.rows = rows

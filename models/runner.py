@@ -49,7 +49,7 @@ import torch
 
 from . import cpu_kernels
 from .batch import build_batch
-from .errors import ModelLoadError
+from .errors import ModelLoadError, NonFiniteLogits
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
 from .layers import CausalLM
 from .loading import LoadedModel, load_model
@@ -214,6 +214,9 @@ class ModelRunner:
         picked = [seqs[order[j]] for j in wanted]
         rows = torch.tensor([batch.last_rows[j] for j in wanted], device=self.device)
         logits = self.model.logits(hidden[rows])
+        nan = torch.isnan(logits).any(dim=-1)
+        if bool(nan.any()):
+            raise NonFiniteLogits([order[wanted[k]] for k in nan.nonzero().flatten().tolist()])
         drawn = sample(
             logits, [s.params for s in picked],
             [s.num_cached + len(s.token_ids) for s in picked],

@@ -24,7 +24,7 @@ import torch
 
 from actors import Actor, ActorChild, Context, StepWatchdog
 from transports import Refused
-from models.errors import ModelLoadError
+from models.errors import ModelLoadError, NonFiniteLogits
 from models.loading import load_model, load_tokenizer, tiny_model
 from models.runner import ModelRunner, StepOutput
 
@@ -453,6 +453,15 @@ class Scheduler(Actor):
                 batch.seqs[i].allowed = masks[row]
         return self.runner.step(batch.seqs)
 
+    def _step_alone(self, req: Any, seq: Any) -> StepOutput:
+        """``seq`` stepped alone; a constrained one with its own mask (filled here when the batch's fill
+        failed): a request with a grammar is never sampled unconstrained."""
+        if req.matcher is not None and seq.sample and seq.allowed is None:
+            mask = self.state.grammars.allocate(1)
+            self.state.grammars.fill([req.matcher], mask)
+            seq.allowed = mask[0]
+        return self.runner.step([seq])
+
     async def _isolate(self, batch: Any, error: Exception) -> StepOutput:
         """A step failed: run each request of it alone. Those that fail alone end with
         the error; the others go on. If every one fails, it is nobody's fault: re-raise
@@ -464,14 +473,15 @@ class Scheduler(Actor):
             if self._journal is not None:  # alone: if it kills the process, it is the one blamed
                 self._journal.record([batch.reqs[i].rid])
             try:
-                one = await trio.to_thread.run_sync(STEP_THREADS.run, self.runner.step, [seq],
+                one = await trio.to_thread.run_sync(STEP_THREADS.run, self._step_alone, batch.reqs[i], seq,
                                                     abandon_on_cancel=True)
             except Exception as exc:  # noqa: BLE001
                 failed.append((i, exc))
                 continue
             out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = \
                 one.token_ids[0], one.logprobs[0], one.top_logprobs[0]
-        if len(failed) == len(batch.seqs):
+        # NaN logits are the request's answer, not a crash a restart could cure: they end it even alone
+        if len(failed) == len(batch.seqs) and not all(isinstance(exc, NonFiniteLogits) for _, exc in failed):
             raise error
         for i, exc in failed:
             req = batch.reqs[i]

@@ -47,7 +47,7 @@ def scheduler(runner, tmp_path=None):
 
 
 def batch(count, alone=()):
-    reqs = [SimpleNamespace(rid=f"r{i}#0.0", alone=i in alone) for i in range(count)]
+    reqs = [SimpleNamespace(rid=f"r{i}#0.0", alone=i in alone, matcher=None) for i in range(count)]
     return Batch(reqs, [SimpleNamespace(n=i) for i in range(count)])
 
 
@@ -132,3 +132,70 @@ def test_abort_where_spares_the_requests_of_the_boot_that_asks(tmp_path):
         ("old#0.0", 0, "b1"), ("new#0.0", 0, "b2"), ("other#1.0", 1, "b1"))}
     assert s._abort_where(None, 0, "the front end restarted", spare_boot="b2") == 1
     assert set(s.state.aborted) == {"old#0.0"}
+
+
+async def test_nan_logits_end_their_request_even_alone_never_token_0():
+    """Issue 29 N19: NaN logits raise NonFiniteLogits (the sampler's argmax skipped NaN: token 0);
+    they are the request's answer, so even a step of that request alone ends it instead of a restart."""
+    from models.errors import NonFiniteLogits
+
+    class NanRunner(FakeRunner):
+        def step(self, seqs):
+            self.calls.append([s.n for s in seqs])
+            raise NonFiniteLogits([0])
+
+    s = scheduler(NanRunner())
+    out = await s._isolate(batch(1), NonFiniteLogits([0]))
+    assert out.token_ids == [None] and set(s.state.aborted) == {"r0#0.0"}
+    assert "NaN logits" in s.state.aborted["r0#0.0"].message
+
+
+async def test_a_constrained_request_whose_mask_fails_is_never_sampled_unconstrained():
+    """Issue 29 N19: the batch's mask fill raised; alone, each constrained request fills its own mask,
+    and one whose fill fails ends with that error without a step (it ran without a mask before)."""
+    import torch
+
+    class FakeGrammars:
+        def allocate(self, rows):
+            return torch.zeros(rows, 2, dtype=torch.int32)
+
+        def fill(self, matchers, masks):
+            if matchers[0] == "broken":
+                raise RuntimeError("the grammar's mask could not be computed")
+            masks[0, 0] = 7
+
+    runner = FakeRunner()
+    s = scheduler(runner)
+    s.state.grammars = FakeGrammars()
+    b = batch(3)
+    for i, matcher in ((1, "broken"), (2, "fine")):
+        b.reqs[i].matcher = matcher
+    for seq in b.seqs:
+        seq.sample, seq.allowed = True, None
+    out = await s._isolate(b, RuntimeError("fill failed"))
+    assert runner.calls == [[0], [2]]  # the broken one never stepped
+    assert out.token_ids == [0, None, 2] and set(s.state.aborted) == {"r1#0.0"}
+    assert "mask could not be computed" in s.state.aborted["r1#0.0"].message
+    assert b.seqs[0].allowed is None and int(b.seqs[2].allowed[0]) == 7
+
+
+def test_the_runner_refuses_to_sample_nan_logits():
+    import torch
+
+    from models.errors import NonFiniteLogits
+    from models.loading import tiny_model
+    from models.runner import ModelRunner, SeqInput
+
+    runner = ModelRunner(tiny_model(), dtype=torch.float32)
+    pages = [runner.kv.allocate(1), runner.kv.allocate(1)]
+    logits = runner.model.logits
+
+    def nan_in_row_1(hidden):
+        out = logits(hidden)
+        out[1] = float("nan")
+        return out
+
+    runner.model.logits = nan_in_row_1
+    with pytest.raises(NonFiniteLogits) as raised:
+        runner.step([SeqInput([5], pages[0]), SeqInput([6], pages[1])])
+    assert raised.value.rows == [1]
