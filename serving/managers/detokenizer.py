@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 CONTEXT_TOKENS = 5  # already-emitted ids kept as context on a resume (SGLang's value)
+# a character is at most 4 UTF-8 bytes: text still incomplete after this many ids never will be (say, a
+# logit_bias on a continuation byte): it is emitted as decoded, not re-decoded from its start each step
+MAX_HELD_IDS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,7 @@ class IncrementalDecoder:
         self._stop_prefixes = {stop[:k] for stop in self._stops for k in range(1, len(stop))}
         self._ids: list[int] = list(init.prior_ids)
         self._read = self._emitted = len(self._ids)
+        self._held = 0
         self._surr = self._read
         self._tail = ""  # the last _tail_len characters of confirmed text
         self._pending: deque[tuple[int, str]] = deque()  # confirmed, not emitted: (n ids, text)
@@ -112,7 +116,8 @@ class IncrementalDecoder:
         self._surr = max(self._read - CONTEXT_TOKENS, 0)
         while True:
             [text] = self._decode([self._ids[self._surr:self._read]])
-            if self._surr == 0 or not text.startswith(REPLACEMENT):
+            walked = self._read - self._surr
+            if self._surr == 0 or not text.startswith(REPLACEMENT) or walked >= CONTEXT_TOKENS + MAX_HELD_IDS:
                 break
             self._surr -= 1
         self._tail = text[max(len(text) - self._tail_len, 0):] if self._tail_len else ""
@@ -130,6 +135,7 @@ class IncrementalDecoder:
         """Append this step's ids; the two windows whose texts ``advance`` wants."""
         if self.finished is not None:
             raise RuntimeError(f"request {self.rid} already finished ({self.finished.type})")
+        self._held = len(self._ids) - self._read  # ids that did not complete a character before this step
         self._ids.extend(new_ids)
         return self._ids[self._surr:self._read], self._ids[self._surr:]
 
@@ -142,6 +148,10 @@ class IncrementalDecoder:
             return self._finish_on_stop(new_text, *match, scheduler_knows=finished is not None)
         if finished is not None:
             return self._finish(self._pending_text() + new_text, finished)
+        if not complete and self._held >= MAX_HELD_IDS:  # held for long: keep only what may end a character
+            cut, new_text = self._boundary(surr_text)
+            self._confirm(cut, new_text)
+            return self._release(self._held_chars() if self._tail else 0)
         if complete and len(self._ids) > self._read:  # (no new ids: keep the context window)
             self._pending.append((len(self._ids) - self._read, new_text))
             self._pending_chars += len(new_text)
@@ -149,6 +159,22 @@ class IncrementalDecoder:
                 self._tail = (self._tail + new_text)[-self._tail_len:]
             self._surr, self._read = self._read, len(self._ids)
         return self._release(self._held_chars() if self._tail else 0)
+
+    def _boundary(self, surr_text: str) -> tuple[int, str]:
+        """(cut, text of ids[read:cut]) for the longest prefix of the held ids that ends a character
+        (a character started in the last 3 ids may still complete); past 3 ids, what there is."""
+        for cut in range(len(self._ids) - 1, len(self._ids) - 4, -1):
+            [text] = self._decode([self._ids[self._surr:cut]])
+            if not text.endswith(REPLACEMENT) or cut == len(self._ids) - 3:
+                return cut, text[len(surr_text):]
+        raise AssertionError("unreachable")
+
+    def _confirm(self, cut: int, new_text: str) -> None:
+        self._pending.append((cut - self._read, new_text))
+        self._pending_chars += len(new_text)
+        if self._tail_len:
+            self._tail = (self._tail + new_text)[-self._tail_len:]
+        self._surr, self._read = self._read, cut
 
     # -- stop strings --------------------------------------------------------
 

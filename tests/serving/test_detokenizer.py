@@ -398,3 +398,29 @@ def test_resume_with_stop_strings(tok):
     deltas = stream(resumed, chunks(ids[1:], None))
     assert "".join(d.text for d in deltas) == " world "
     assert deltas[-1].finished == FinishReason("stop", matched="peace") and deltas[-1].stop_hit
+
+
+def test_text_that_never_completes_a_character_is_emitted_not_redecoded_from_its_start(tok):
+    """Issue 29 N18: continuation bytes only (a logit_bias can force them) were held to the end and
+    re-decoded from their start at every step (quadratic); past MAX_HELD_IDS ids they go out as decoded,
+    and a resume's context walks back at most that far."""
+    from serving.managers.detokenizer import MAX_HELD_IDS
+
+    tail = tok.encode(EMOJI[0])[-1]  # the last piece of 👍: continuation bytes alone
+    assert tok.decode([tail]).endswith("\ufffd")
+    longest = 0
+
+    class Counting:
+        def batch_decode(self, seqs, **options):
+            nonlocal longest
+            longest = max(longest, *map(len, seqs))
+            return tok.batch_decode(seqs, **options)
+
+    dec = IncrementalDecoder(DecodeInit("r", 0, []), Counting())
+    deltas = stream(dec, chunks([tail] * 200, None))
+    assert longest <= 2 * MAX_HELD_IDS + 1  # a constant, whatever the length (200 here)
+    assert sum(len(d.ids) for d in deltas[:-1]) >= 200 - MAX_HELD_IDS  # emitted along the way, not at the end
+    assert [t for d in deltas for t in d.ids] == [tail] * 200
+    longest = 0
+    IncrementalDecoder(DecodeInit("r", 0, [], prior_ids=[tail] * 1000), Counting())
+    assert longest <= 5 + MAX_HELD_IDS
