@@ -349,7 +349,7 @@ class Scheduler(Actor):
             self._end(state.abort(wire_rid, FinishReason("abort", message=message)))
         for msg in [*self._compiling.values(), *self._awaiting_grammars]:  # not queued yet: dropped before they are
             if (rid is None or msg.rid.rpartition("#")[0] == rid or msg.rid == rid) and \
-                    (worker is None or msg.worker == worker):
+                    (worker is None or msg.worker == worker) and (spare_boot is None or msg.boot != spare_boot):
                 self._compiling.pop(msg.rid, None)
                 if msg in self._awaiting_grammars:
                     self._aborted_waiting.add(msg.rid)

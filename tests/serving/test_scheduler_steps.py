@@ -130,8 +130,11 @@ def test_abort_where_spares_the_requests_of_the_boot_that_asks(tmp_path):
     s = scheduler(FakeRunner())
     s.state.by_rid = {rid: SimpleNamespace(rid=rid, worker=worker, boot=boot) for rid, worker, boot in (
         ("old#0.0", 0, "b1"), ("new#0.0", 0, "b2"), ("other#1.0", 1, "b1"))}
+    compiling = {rid: SimpleNamespace(rid=rid, worker=0, boot=boot) for rid, boot in (("c1#0.0", "b1"), ("c2#0.0", "b2"))}
+    s._compiling = dict(compiling)
     assert s._abort_where(None, 0, "the front end restarted", spare_boot="b2") == 1
     assert set(s.state.aborted) == {"old#0.0"}
+    assert list(s._compiling) == ["c2#0.0"]  # a constrained request of the new boot, still compiling, is kept
 
 
 async def test_nan_logits_end_their_request_even_alone_never_token_0():
