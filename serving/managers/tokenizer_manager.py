@@ -392,16 +392,17 @@ class TokenizerManager(Actor):
     # -- the API -----------------------------------------------------------------------
 
     async def expander(self) -> Expander:
-        """Built on first use, with the context window the scheduler reports (one ask, however
-        many requests arrive at once)."""
+        """Built on first use, with the smallest context window the replicas up report (N16: a request
+        may migrate to any of them; one ask, however many requests arrive at once)."""
         if self._expander is None:
             async with self._asking:
                 if self._expander is None:
-                    try:
-                        info = await self.call_scheduler(ServerInfoReq(), timeout=10.0)
-                    except CallError:  # restarting: check this request without it, ask again next time
+                    answers = await self.call_replicas(ServerInfoReq(), timeout=10.0)
+                    windows = [int(a["max_context_len"]) for a in answers.values()
+                               if isinstance(a, dict) and isinstance(a.get("max_context_len"), int)]
+                    if not windows or len(windows) < len(answers):  # one restarting: ask again next time
                         return Expander(self.tokenizer, self.limits)
-                    limits = dataclasses.replace(self.limits, context_len=int(info["max_context_len"]))
+                    limits = dataclasses.replace(self.limits, context_len=min(windows))
                     self._expander = Expander(self.tokenizer, limits)
         return self._expander
 
@@ -619,6 +620,7 @@ class TokenizerManager(Actor):
         self.watchdogs[replica].feed()
         self.up[replica] = True
         self._any_up.set()
+        self._expander = None  # its context window counts too (N16)
         if self._running:  # (a remote one may still run what an earlier front end sent it)
             self.ctx.nursery.start_soon(self._end_orphans, replica)
 

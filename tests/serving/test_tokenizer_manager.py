@@ -458,3 +458,13 @@ async def test_only_a_repeat_crash_by_a_known_suspect_is_not_counted(nursery, to
     progress(tm, innocents[-1])  # an innocent that made progress since its crash
     tm.journal.record([innocents[-1].wire_rid])
     assert not tm.suspect_crashed(0)
+
+
+async def test_the_context_window_is_the_smallest_of_the_replicas_up(nursery, tokenizer):
+    """N16: a request may migrate to any replica, so it is checked against the smallest window."""
+    windows = {REPLICAS[0]: 8192, REPLICAS[1]: 2048, REPLICAS[2]: 1024}
+    tm = TokenizerManager(tokenizer, scheduler=REPLICAS, serving={0, 1})
+    tm.ctx = AnsweringContext(nursery, lambda address, msg: {"max_context_len": windows[address]})
+    assert (await tm.expander()).limits.context_len == 2048
+    tm.replica_up(2)  # one that comes up later counts from the next request on
+    assert (await tm.expander()).limits.context_len == 1024
