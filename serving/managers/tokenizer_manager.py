@@ -97,7 +97,6 @@ log = logging.getLogger(__name__)
 # request that kills the scheduler at some position does so again within a few tokens of it.
 PROGRESS_TOKENS = 8
 PROBATION_GROUP = 4  # suspects tried together; a group that crashes the server is halved, down to one
-FORGIVEN_REPEATS = 2  # at most so many crashes per request are its own (see suspect_crashed), whatever the quarantine
 REMOTE_PROBE_S = 0.5  # how often a remote replica is asked how it is
 
 
@@ -718,17 +717,14 @@ class TokenizerManager(Actor):
         (one on trial, alone, among them: then it is the culprit, and is quarantined when this manager
         resumes). The runtime counts such a crash against its restart intensity once per culprit, at its
         first crash, not at each repeat: it builds the case against a request already blamed, and each
-        request takes at most ``min(quarantine_after, FORGIVEN_REPEATS)`` such crashes before it is held and
-        tried alone, where one more convicts it. So two poisons cost two counted crashes, like one, and the
-        server stays up; a crash loop that names no suspect, or a quarantine set very high, still counts."""
+        request takes at most ``quarantine_after`` such crashes before it is held and tried alone, where one
+        more convicts it. So two poisons cost two counted crashes, like one, and the server stays up."""
         if not 0 <= replica < len(self.journals):
             return False
         step = read_step(self.journals[replica])
-        repeats = min(self.quarantine_after, FORGIVEN_REPEATS)  # (a quarantine turned off does not turn this on)
-        trial = set(self._on_trial)
         return bool(step) and any(
-            s.finished is None and s.replica == replica and s.wire_rid in step and not s.progressed.is_set()
-            and (1 <= s.crashes < repeats or s in trial) for s in self.rid_to_state.values())
+            s.finished is None and s.replica == replica and s.wire_rid in step and s.crashes >= 1
+            and not s.progressed.is_set() for s in self.rid_to_state.values())
 
     def _quarantine(self, state: ReqState, crash: str) -> None:
         self.quarantined += 1
