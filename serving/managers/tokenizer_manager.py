@@ -711,21 +711,6 @@ class TokenizerManager(Actor):
             self._on_trial, self._trial = [], None
         self._no_probation.set()
 
-    def suspect_crashed(self, replica: int) -> bool:
-        """Whether a crash of ``replica``'s scheduler now is one more by a known suspect: its step journal
-        names a request that was already in the step of an earlier crash and has made no progress since
-        (one on trial, alone, among them: then it is the culprit, and is quarantined when this manager
-        resumes). The runtime counts such a crash against its restart intensity once per culprit, at its
-        first crash, not at each repeat: it builds the case against a request already blamed, and each
-        request takes at most ``quarantine_after`` such crashes before it is held and tried alone, where one
-        more convicts it. So two poisons cost two counted crashes, like one, and the server stays up."""
-        if not 0 <= replica < len(self.journals):
-            return False
-        step = read_step(self.journals[replica])
-        return bool(step) and any(
-            s.finished is None and s.replica == replica and s.wire_rid in step and s.crashes >= 1
-            and not s.progressed.is_set() for s in self.rid_to_state.values())
-
     def _quarantine(self, state: ReqState, crash: str) -> None:
         self.quarantined += 1
         log.error("request %s crashed the server on probation (%s); it is not resumed again", state.rid, crash)
