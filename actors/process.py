@@ -55,13 +55,30 @@ class ProcessExited(Exception):
 
     def __init__(self, name: str, returncode: int) -> None:
         if returncode < 0:
-            how = f"was killed by {signal.Signals(-returncode).name}"
+            how = f"was killed by {_signal_name(-returncode)}"
         elif returncode == EXIT_CRASHED:
             how = "crashed (its subtree raised)"
         else:
             how = f"exited with status {returncode}"
         super().__init__(f"process {name!r} {how}")
         self.returncode = returncode
+
+    @property
+    def faulted(self) -> bool:
+        """Whether the child failed by itself: a fault signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT)
+        or its own code raised; not when it was killed or stopped from outside (SIGKILL, SIGTERM: an
+        operator, the OOM killer, a watchdog) or exited with some other status."""
+        return self.returncode == EXIT_CRASHED or -self.returncode in FAULT_SIGNALS
+
+
+FAULT_SIGNALS = frozenset(int(s) for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # (a real-time signal has no name)
+        return f"signal {number}"
 
 
 class _Spec(msgspec.Struct):

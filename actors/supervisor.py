@@ -9,8 +9,9 @@ When one exits, its restart type decides whether it comes back
 never) and the strategy decides which siblings go with it (``one_for_one``:
 none; ``one_for_all``: all; ``rest_for_one``: those started after it). More
 than ``max_restarts`` restarts within ``within`` seconds and the supervisor
-stops every child and fails upward with RestartIntensityExceeded. Children
-stop in reverse order: asked first, then cancelled when their grace period
+stops every child and fails upward with RestartIntensityExceeded (a crash
+that ``forgive(child, reason)`` calls provoked on purpose does not count: a
+test run meant to crash, say). Children stop in reverse order: asked first, then cancelled when their grace period
 runs out.
 
 A child is anything with ``async run(*, task_status)`` (report ready with
@@ -121,7 +122,8 @@ class Supervisor:
     def __init__(self, name: str, children: Sequence[ChildSpec], *,
                  strategy: Strategy = Strategy.ONE_FOR_ONE, max_restarts: int = 3,
                  within: float = 5.0, backoff: Backoff = Backoff(),
-                 observer: Callable[[SupervisorEvent], None] | None = None) -> None:
+                 observer: Callable[[SupervisorEvent], None] | None = None,
+                 forgive: Callable[[str, BaseException | None], bool] | None = None) -> None:
         names = [spec.name for spec in children]
         if len(set(names)) != len(names):
             raise ValueError(f"supervisor {name!r}: child names repeat: {names}")
@@ -132,6 +134,7 @@ class Supervisor:
         self.within = within
         self.backoff = backoff
         self.observer = observer
+        self.forgive = forgive
         self.restarts: dict[str, int] = {spec.name: 0 for spec in children}
         self._running: dict[str, _Running] = {}
         self._restart_times: list[float] = []
@@ -269,10 +272,16 @@ class Supervisor:
         await self._restart(spec, reason)
 
     async def _restart(self, spec: ChildSpec, reason: BaseException | None) -> None:
+        counted = reason is None or self.forgive is None or not self.forgive(spec.name, reason)
+        if not counted:
+            log.warning("%s: %s crashed as expected (%r): not counted against the restart intensity",
+                        self.name, spec.name, reason)
         while True:
             now = trio.current_time()
             self._restart_times = [t for t in self._restart_times if now - t < self.within]
-            self._restart_times.append(now)
+            if counted:
+                self._restart_times.append(now)
+            counted = True  # (a start that fails counts)
             if len(self._restart_times) > self.max_restarts:
                 self._notify(spec.name, "escalated", reason)
                 raise RestartIntensityExceeded(self.name, self.max_restarts, self.within, reason)

@@ -97,6 +97,7 @@ log = logging.getLogger(__name__)
 # request that kills the scheduler at some position does so again within a few tokens of it.
 PROGRESS_TOKENS = 8
 PROBATION_GROUP = 4  # suspects tried together; a group that crashes the server is halved, down to one
+FORGIVEN_REPEATS = 2  # at most so many crashes per request are its own (see suspect_crashed), whatever the quarantine
 REMOTE_PROBE_S = 0.5  # how often a remote replica is asked how it is
 
 
@@ -710,6 +711,24 @@ class TokenizerManager(Actor):
                                 len(group), self.trial_timeout)
             self._on_trial, self._trial = [], None
         self._no_probation.set()
+
+    def suspect_crashed(self, replica: int) -> bool:
+        """Whether a crash of ``replica``'s scheduler now is one more by a known suspect: its step journal
+        names a request that was already in the step of an earlier crash and has made no progress since
+        (one on trial, alone, among them: then it is the culprit, and is quarantined when this manager
+        resumes). The runtime counts such a crash against its restart intensity once per culprit, at its
+        first crash, not at each repeat: it builds the case against a request already blamed, and each
+        request takes at most ``min(quarantine_after, FORGIVEN_REPEATS)`` such crashes before it is held and
+        tried alone, where one more convicts it. So two poisons cost two counted crashes, like one, and the
+        server stays up; a crash loop that names no suspect, or a quarantine set very high, still counts."""
+        if not 0 <= replica < len(self.journals):
+            return False
+        step = read_step(self.journals[replica])
+        repeats = min(self.quarantine_after, FORGIVEN_REPEATS)  # (a quarantine turned off does not turn this on)
+        trial = set(self._on_trial)
+        return bool(step) and any(
+            s.finished is None and s.replica == replica and s.wire_rid in step and not s.progressed.is_set()
+            and (1 <= s.crashes < repeats or s in trial) for s in self.rid_to_state.values())
 
     def _quarantine(self, state: ReqState, crash: str) -> None:
         self.quarantined += 1

@@ -30,13 +30,14 @@ from typing import Any, TypeVar
 import trio
 
 from actors import ActorChild, CallError, ChildSpec, RestartIntensityExceeded, Supervisor, SupervisorEvent
+from actors.process import ProcessExited
 from models.loading import load_tokenizer
 from transports import open_hub
 
 from ..managers.messages import ServerInfoReq, UpdateWeightsReq
-from ..managers.tokenizer_manager import TokenizerManager
+from ..managers.tokenizer_manager import TokenizerManager, blames
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
-from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
+from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus, replica_of
 from .specs import core_specs, make_supervisor
 from .topology import Topology, make_tokenizer_manager, tokenizer_source
 
@@ -115,6 +116,18 @@ class _Ready:
         self.task_status.started(value)
 
 
+def killed_from_outside(reason: BaseException | None) -> bool:
+    """Whether ``reason`` (a child's crash) is a process that was killed or stopped, not one that faulted."""
+    while reason is not None:
+        if isinstance(reason, ProcessExited):
+            return not reason.faulted
+        if isinstance(reason, BaseExceptionGroup) and len(reason.exceptions) == 1:
+            reason = reason.exceptions[0]
+        else:
+            reason = reason.__cause__
+    return False
+
+
 class LocalRuntime(Supervised):
     """A topology whose tokenizer manager runs in this process: the ``Runtime``
     of a single-process server and of the offline Engine. With replicas
@@ -144,18 +157,33 @@ class LocalRuntime(Supervised):
                 topology, runtime_dir,
                 lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
                                                 placements[i]),
-                lambda name, specs: make_supervisor(topology, specs, self._on_event, name))
+                lambda name, specs: make_supervisor(topology, specs, self._on_event, name,
+                                                    partial(self._convicts, replica_of(name) or 0)))
             replicas, specs = self.replicas.addresses, self.replicas.specs
             if topology.server.launcher == "ray":
                 from .ray_launcher import ray_specs  # (Ray is imported only when it launches)
 
                 specs = [*specs, *ray_specs(topology, self._ray_started, self._ray_lost)]
         self._tm = TokenizerManagerSlot(lambda: self._new_tokenizer_manager(replicas))
-        self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event)
+        self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event,
+                                          forgive=partial(self._convicts, 0) if self.replicas is None else None)
         if self.replicas is None:
             self.status = StatusTracker(self.supervisor)
         else:
             self.status = ReplicaStatus(self.supervisor, self.replicas, self._replica_changed)
+
+    def _convicts(self, replica: int, child: str, reason: BaseException | None) -> bool:
+        """Whether a crash of ``child`` (of ``replica``) is one more by a request already blamed for an
+        earlier one (``TokenizerManager.suspect_crashed``): such crashes do not count against the restart
+        intensity, so each culprit costs one counted crash however many it takes to convict it, and two
+        poisons do not bring the server down (issue 29). Only a crash the scheduler made itself can be
+        forgiven: a process killed from outside (SIGKILL, SIGTERM: an operator, the OOM killer, a
+        watchdog) always counts, whatever was in its step, so repeated kills still exhaust the intensity."""
+        if child != "scheduler" or not self._tm.started or not blames(f"the scheduler crashed: {reason!r}"):
+            return False  # (a scheduler killed because its outputs stalled convicts nobody)
+        if killed_from_outside(reason):
+            return False
+        return self._tm.current.suspect_crashed(replica)
 
     def _new_tokenizer_manager(self, replicas: list[dict[str, str]] | None) -> TokenizerManager:
         if not isinstance(self.status, ReplicaStatus):

@@ -59,7 +59,8 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
 
 
 def make_supervisor(topology: Topology, specs: list[ChildSpec],
-                    observer: Callable[[SupervisorEvent], None], name: str = "server") -> Supervisor:
+                    observer: Callable[[SupervisorEvent], None], name: str = "server",
+                    forgive: Callable[[str, BaseException | None], bool] | None = None) -> Supervisor:
     s = topology.supervision
     return Supervisor(name, specs, strategy=s.strategy, max_restarts=s.max_restarts, within=s.within,
-                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer)
+                      backoff=Backoff(s.backoff_initial, 2.0, s.backoff_max), observer=observer, forgive=forgive)

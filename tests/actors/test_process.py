@@ -60,6 +60,7 @@ async def test_killed_process_is_noticed_and_restarted(ipc, strategy):
         crash = await h.wait_event(lambda e: e.kind == "crashed", timeout=10)
         assert trio.current_time() - t0 < 0.5  # noticed at once, not by polling
         assert isinstance(crash.reason, ProcessExited) and "SIGKILL" in str(crash.reason)
+        assert not crash.reason.faulted  # (killed from outside)
         await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
         expected_b = pid_b if strategy == Strategy.ONE_FOR_ONE else None
         if expected_b is None:
@@ -72,6 +73,17 @@ async def test_killed_process_is_noticed_and_restarted(ipc, strategy):
         for n, name in ((1, "a"), (2, "echo")):
             await h.send(ipc("a" if name == "a" else "b"), Ping(n))
             await wait_pong(out, name, n)
+
+
+@pytest.mark.parametrize("signum, faulted", [(signal.SIGSEGV, True), (signal.SIGABRT, True),
+                                             (signal.SIGTERM, False), (signal.SIGKILL, False)])
+async def test_a_process_that_faults_is_told_from_one_killed_from_outside(ipc, signum, faulted):
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", [process_spec("a", "echo", address=ipc("a"), reply_to=ipc("out"))])
+        os.kill(sup.child("a").pid, signum)
+        crash = await h.wait_event(lambda e: e.kind == "crashed", timeout=10)
+        assert isinstance(crash.reason, ProcessExited) and crash.reason.returncode == -signum
+        assert crash.reason.faulted is faulted and signum.name in str(crash.reason)
 
 
 async def test_crashing_processes_exceed_intensity_and_escalate(ipc):

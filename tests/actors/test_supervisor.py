@@ -175,6 +175,24 @@ async def test_crashes_spread_beyond_the_window_do_not_escalate(autojump_clock):
         assert not [e for e in h.events if e.kind in ("escalated", "failed")]
 
 
+async def test_crashes_it_forgives_do_not_count_against_the_intensity(autojump_clock):
+    forgiven = []
+
+    def forgive(child, reason):  # every other crash of b was provoked on purpose
+        forgiven.append(child)
+        return len(forgiven) % 2 == 0
+
+    async with open_harness() as h:
+        await h.start_supervisor("sup", trio_of(h, []), max_restarts=2, within=100.0, forgive=forgive)
+        for n in range(4):  # 2 counted, 2 forgiven: within the intensity
+            await h.send("inproc://b", Boom())
+            await h.wait_event(lambda e, n=n: h.count("started", "b") == n + 2)
+        assert forgiven == ["b"] * 4 and not [e for e in h.events if e.kind in ("escalated", "failed")]
+        await h.send("inproc://b", Boom())  # the third counted
+        failed = await h.wait_event(lambda e: e.kind == "failed")
+        assert isinstance(failed.reason, RestartIntensityExceeded)
+
+
 async def test_back_off_grows_exponentially(autojump_clock):
     async with open_harness() as h:
         await h.start_supervisor(

@@ -1,6 +1,7 @@
 """Schedulers that misbehave on purpose, run in child processes by the recovery tests."""
 
 import os
+import resource
 import signal
 import time
 
@@ -44,7 +45,7 @@ LATE = 3
 
 
 class PoisonedScheduler(Scheduler):
-    """Its model step kills the whole process (as a segfault would) whenever a
+    """Its model step kills the whole process with a segfault whenever a
     request whose prompt starts with ``POISON`` is in the step, or one that starts
     with ``LATE_POISON`` and has generated ``LATE`` tokens."""
 
@@ -58,7 +59,8 @@ class PoisonedScheduler(Scheduler):
 
         def step(seqs):
             if any(poisoned(s) for s in seqs):
-                os.kill(os.getpid(), signal.SIGKILL)
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file)
+                os.kill(os.getpid(), signal.SIGSEGV)
             return real_step(seqs)
 
         self.runner.step = step

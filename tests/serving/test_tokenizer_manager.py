@@ -439,3 +439,32 @@ async def test_the_context_window_is_the_smallest_of_the_replicas_up(nursery, to
     assert (await tm.expander()).limits.context_len == 2048
     tm.replica_up(2)  # one that comes up later counts from the next request on
     assert (await tm.expander()).limits.context_len == 1024
+
+
+async def test_only_a_repeat_crash_by_a_known_suspect_is_not_counted(nursery, tokenizer, tmp_path, autojump_clock):
+    """``suspect_crashed``: the runtime counts a crash against the restart intensity once per culprit, at
+    its first crash, not at each repeat (issue 29: two poisons cost two counted crashes, like one)."""
+    tm = prober(nursery, tokenizer, tmp_path)
+    states = await start(nursery, tm, 6)
+    poison_a, poison_b, innocents = states[0], states[1], states[2:]
+    tm.journal.record([poison_a.wire_rid])
+    assert not tm.suspect_crashed(0)  # its first crash: counted
+    await crash(tm, [poison_a])
+    tm.journal.record([poison_a.wire_rid, innocents[0].wire_rid])
+    assert tm.suspect_crashed(0) and not tm.suspect_crashed(1)  # a repeat
+    await crash(tm, [poison_a, innocents[0]])
+    assert tm._on_trial == [poison_a]
+    tm.journal.record([poison_b.wire_rid, *(s.wire_rid for s in innocents[1:])])
+    assert not tm.suspect_crashed(0)  # another culprit's first: counted
+    await crash(tm, [poison_b, *innocents[1:]])
+    tm.journal.record([])  # idle: counted
+    assert not tm.suspect_crashed(0)
+    tm.journal.record([poison_a.wire_rid])  # on trial, alone: the crash that convicts it
+    assert tm.suspect_crashed(0)
+    await crash(tm, [poison_a])
+    assert poison_a.finished.status_code == 500
+    tm.journal.record([poison_b.wire_rid])  # the other's repeat
+    assert tm.suspect_crashed(0)
+    progress(tm, innocents[-1])  # an innocent that made progress since its crash
+    tm.journal.record([innocents[-1].wire_rid])
+    assert not tm.suspect_crashed(0)
