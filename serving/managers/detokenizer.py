@@ -59,6 +59,7 @@ CONTEXT_TOKENS = 5  # already-emitted ids kept as context on a resume (SGLang's 
 # a character is at most 4 UTF-8 bytes: text still incomplete after this many ids never will be (say, a
 # logit_bias on a continuation byte): it is emitted as decoded, not re-decoded from its start each step
 MAX_HELD_IDS = 8
+RETIRED_BOOTS = 64  # scheduler incarnations remembered as gone (their late steps are skipped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +234,7 @@ class IncrementalDecoder:
 class _Request:
     decoder: IncrementalDecoder
     worker: int
+    boot: str = ""  # the scheduler incarnation that opened it
     logprobs: list[float] = field(default_factory=list)  # of ids not yet emitted
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
@@ -249,6 +251,13 @@ class DetokenizerManager(Actor):
     ``states`` holds the requests in flight and nothing else: a request's
     state is created by its DecodeInit and dropped when it finishes (any
     reason). Output for a rid with no state is counted and skipped.
+
+    A scheduler that restarted runs none of its earlier incarnation's requests
+    (a resume is a new rid, opened by its own DecodeInit), so the first step of
+    a new scheduler boot sweeps every state opened under an older one: a request
+    that ended while its scheduler was down, or one quarantined after a crash,
+    never heard its finish here (round 1's L4). A late step of a retired boot is
+    skipped (counted as unknown rids).
     """
 
     inbox = DetokenizerInbox
@@ -259,6 +268,9 @@ class DetokenizerManager(Actor):
         self.scheduler = scheduler
         self.states: dict[str, _Request] = {}
         self.unknown_rids = 0
+        self.swept = 0  # states dropped because their scheduler restarted
+        self.scheduler_boot = ""  # the scheduler incarnation whose steps arrive ("": not told yet)
+        self.retired_boots: deque[str] = deque(maxlen=RETIRED_BOOTS)
         self.boot = uuid.uuid4().hex  # this incarnation (see the scheduler's)
         self.ctx: Context | None = None
 
@@ -272,7 +284,8 @@ class DetokenizerManager(Actor):
                 for rid in rids:
                     self.states.pop(rid, None)
             case DetokenizerInfoReq():
-                return {"requests": len(self.states), "unknown_rids": self.unknown_rids, "boot": self.boot}
+                return {"requests": len(self.states), "unknown_rids": self.unknown_rids, "swept": self.swept,
+                        "boot": self.boot}
             case BatchTokenIDOut():
                 outputs, hits = self.detokenize(msg)
                 for hit in hits:  # first, so the scheduler stops generating soonest
@@ -282,8 +295,14 @@ class DetokenizerManager(Actor):
 
     def detokenize(self, batch: BatchTokenIDOut) -> tuple[dict[int, BatchStrOut], list[StopStringHit]]:
         """One step: the text deltas per worker and the stop strings the scheduler must hear of."""
+        if batch.boot and batch.boot != self.scheduler_boot:
+            if batch.boot in self.retired_boots:  # (a step of a scheduler that has restarted since)
+                self.unknown_rids += len(batch.rids)
+                log.debug("a step of a retired scheduler incarnation skipped (%d requests)", len(batch.rids))
+                return {}, []
+            self._sweep(batch.boot)
         for init in batch.inits:
-            self._open(init)
+            self._open(init, batch.boot)
         rows: list[tuple[int, _Request]] = []
         windows: dict[tuple[bool, bool], list[list[int]]] = defaultdict(list)
         seen: set[str] = set()
@@ -333,7 +352,20 @@ class DetokenizerManager(Actor):
                 out.top_logprobs.append(_take(req.top_logprobs, len(delta.ids)))
         return outputs, hits
 
-    def _open(self, init: DecodeInit) -> None:
+    def _sweep(self, boot: str) -> None:
+        """The scheduler's steps now come from incarnation ``boot``: drop what older ones opened."""
+        if self.scheduler_boot:
+            self.retired_boots.append(self.scheduler_boot)
+        self.scheduler_boot = boot
+        stale = [rid for rid, req in self.states.items() if req.boot != boot]
+        for rid in stale:
+            del self.states[rid]
+        if stale:
+            self.swept += len(stale)
+            log.info("the scheduler restarted: dropped the decoding state of %d requests it no longer runs",
+                     len(stale))
+
+    def _open(self, init: DecodeInit, boot: str = "") -> None:
         """A new request, or a resume of one in flight (its state is replaced)."""
         if init.replaces is not None:
             self.states.pop(init.replaces, None)
@@ -342,7 +374,7 @@ class DetokenizerManager(Actor):
                       init.rid, init.worker, len(self.workers))
             self.states.pop(init.rid, None)
             return
-        self.states[init.rid] = _Request(IncrementalDecoder(init, self.tokenizer), init.worker)
+        self.states[init.rid] = _Request(IncrementalDecoder(init, self.tokenizer), init.worker, boot)
 
 
 def detokenizer_child(hub: Any, *, address: str, tokenizer: str | None, workers: list[str],

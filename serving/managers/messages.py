@@ -289,6 +289,7 @@ class BatchTokenIDOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     inits: list[DecodeInit] = []
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    boot: str = ""  # the scheduler incarnation that ran the step ("": not told)
 
 
 class DetokenizerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):

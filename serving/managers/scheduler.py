@@ -493,7 +493,7 @@ class Scheduler(Actor):
     async def _flush(self, outputs: list[Output]) -> None:
         outputs, self._pending = self._pending + outputs, []
         if outputs:
-            await self.ctx.send(self.config.detokenizer, _batch_out(outputs))
+            await self.ctx.send(self.config.detokenizer, _batch_out(outputs, self.boot))
 
 
 def _constrained(msg: GenerateReq) -> bool:
@@ -508,7 +508,7 @@ def _count_by_worker(state: BatchState) -> dict[str, int]:
     return counts
 
 
-def _batch_out(outputs: list[Output]) -> BatchTokenIDOut:
+def _batch_out(outputs: list[Output], boot: str = "") -> BatchTokenIDOut:
     inits = []
     for o in outputs:
         req = o.req
@@ -531,6 +531,7 @@ def _batch_out(outputs: list[Output]) -> BatchTokenIDOut:
         inits=inits,
         logprobs=[o.logprobs for o in outputs] if with_logprobs else None,
         top_logprobs=[o.top_logprobs for o in outputs] if with_logprobs else None,
+        boot=boot,
     )
 
 

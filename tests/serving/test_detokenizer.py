@@ -229,7 +229,7 @@ def test_resume_emits_only_new_text(tok, text):
 # -- the actor ---------------------------------------------------------------------
 
 
-def batch(rows, inits=(), logprobs=False) -> BatchTokenIDOut:
+def batch(rows, inits=(), logprobs=False, boot="") -> BatchTokenIDOut:
     """rows: (rid, ids, finished)."""
     return BatchTokenIDOut(
         rids=[r[0] for r in rows],
@@ -240,6 +240,7 @@ def batch(rows, inits=(), logprobs=False) -> BatchTokenIDOut:
         cached_tokens=[3] * len(rows),
         inits=list(inits),
         logprobs=[[-float(i) for i in r[1]] for r in rows] if logprobs else None,
+        boot=boot,
     )
 
 
@@ -424,3 +425,27 @@ def test_text_that_never_completes_a_character_is_emitted_not_redecoded_from_its
     longest = 0
     IncrementalDecoder(DecodeInit("r", 0, [], prior_ids=[tail] * 1000), Counting())
     assert longest <= 5 + MAX_HELD_IDS
+
+
+async def test_a_scheduler_restart_sweeps_the_states_its_earlier_incarnation_opened(autojump_clock, tok):
+    """L4: requests that ended while their scheduler was down (or were quarantined after a crash)
+    never hear their finish here; the new incarnation's first step drops them, and a late step of
+    the old one is skipped, not decoded into states the new one opened."""
+    async with open_harness() as h:
+        tm0 = await h.probe(W0, BatchStrOut)
+        sup, managers = await start_detokenizer(h, tok)
+        ids = tok.encode(ENGLISH)
+        await h.send(DETOK, batch([(rid, ids[:2], None) for rid in "abc"],
+                                  [DecodeInit(rid, 0, []) for rid in "abc"], boot="boot-1"))
+        await tm0.expect(BatchStrOut)
+        assert set(managers[-1].states) == set("abc")
+        # the scheduler restarts: "c" resumes as c.1 (replacing c), "a" and "b" ended meanwhile
+        await h.send(DETOK, batch([("c.1", ids[2:3], None)],
+                                  [DecodeInit("c.1", 0, [], prior_ids=ids[:2], replaces="c")], boot="boot-2"))
+        assert (await tm0.expect(BatchStrOut)).rids == ["c.1"]
+        assert set(managers[-1].states) == {"c.1"} and managers[-1].swept == 3  # (c too: replaced anyway)
+        await h.send(DETOK, batch([("c.1", ids[3:4], None)], boot="boot-1"))  # late, from the dead one
+        await h.send(DETOK, batch([("c.1", ids[3:4], LENGTH)], boot="boot-2"))
+        out = await tm0.expect(BatchStrOut)
+        assert out.rids == ["c.1"] and out.texts == [tok.decode(ids[:4])[len(tok.decode(ids[:3])):]]
+        assert managers[-1].states == {} and managers[-1].unknown_rids == 1

@@ -291,6 +291,10 @@ async def test_a_poison_request_is_quarantined_and_the_others_finish(tmp_path, b
             assert info["waiting"] == 0 and info["running"] == 0
             after = await client.post("/generate", json=bodies[0] | {"rid": "after"})
             assert after.json()["text"] == expected[bodies[0]["rid"]][0]
+            # the poison's first incarnation streamed, its resumes never did (no finish reached the
+            # detokenizer): the restarted scheduler's steps swept its state (L4)
+            detokenizer = (await client.get("/server_info")).json()["detokenizer"]
+            assert detokenizer["requests"] == 0 and detokenizer["swept"] >= 1, detokenizer
     finally:
         server.kill()
         await server.wait()
