@@ -7,6 +7,10 @@ other:
 
 - readiness crosses the boundary: ``run`` reports ready only once the
   subtree in the child process has reported ready (its endpoints are bound);
+- a child that fails before it is ready says why: the error's type and text
+  come up the ready pipe, and the parent raises a ``ChildStartError`` whose
+  ``__cause__`` is a ``ProcessStartFailed`` carrying them (the traceback is
+  printed by the child only at DEBUG);
 - death is noticed at once (the process's exit wakes ``Process.wait``,
   which waits on a pidfd), and the exit status becomes the crash reason;
 - stopping asks first (a line on the child's stdin), then, when the
@@ -40,9 +44,9 @@ import trio
 
 from transports import HubOptions, open_hub
 
-from ._errors import ChildStartError
+from ._errors import ChildStartError, unwrap
 
-__all__ = ["ProcessChild", "ProcessExited"]
+__all__ = ["ProcessChild", "ProcessExited", "ProcessStartFailed"]
 
 log = logging.getLogger("actors.process")
 
@@ -69,6 +73,21 @@ class ProcessExited(Exception):
         or its own code raised; not when it was killed or stopped from outside (SIGKILL, SIGTERM: an
         operator, the OOM killer, a watchdog) or exited with some other status."""
         return self.returncode == EXIT_CRASHED or -self.returncode in FAULT_SIGNALS
+
+
+class ProcessStartFailed(Exception):
+    """What made a child process fail before it reported ready: its error's text (``str``) and
+    type name (``kind``), as the child reported them (an exception does not cross the boundary)."""
+
+    def __init__(self, message: str, kind: str = "Exception") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Failure(msgspec.Struct):
+    """The ready pipe's other line: ``failed <json>``."""
+    kind: str
+    message: str
 
 
 FAULT_SIGNALS = frozenset(int(s) for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT))
@@ -144,14 +163,18 @@ class ProcessChild:
             assert process.stdin is not None
             async with trio.lowlevel.FdStream(ready_read) as ready:  # closes ready_read however this ends
                 await process.stdin.send_all(msgspec.json.encode(spec) + b"\n")
+                line = b""
                 with trio.move_on_after(self.ready_timeout) as waited:
-                    line = await ready.receive_some()
+                    while not line.endswith(b"\n") and (part := await ready.receive_some()):
+                        line += part
                 if waited.cancelled_caught or not line.startswith(b"ready"):
                     code = await _exit_status(process, 1.0)
+                    failure = _reported_failure(line)
                     raise ChildStartError(
                         f"process {self.name!r} did not report ready"
-                        + (f" within {self.ready_timeout:g} s" if waited.cancelled_caught else f" (exit status {code})")
-                    )
+                        + (f" within {self.ready_timeout:g} s" if waited.cancelled_caught else
+                           f": {failure.kind}: {failure}" if failure is not None else f" (exit status {code})")
+                    ) from failure
             log.info("process %s (pid %d) is ready", self.name, process.pid)
             task_status.started(self)
             returncode = await process.wait()
@@ -160,6 +183,16 @@ class ProcessChild:
         finally:
             with trio.CancelScope(shield=True):
                 await _terminate(process, self.kill_after, self.name)
+
+
+def _reported_failure(line: bytes) -> ProcessStartFailed | None:
+    if not line.startswith(b"failed "):
+        return None
+    try:
+        failure = msgspec.json.decode(line[len(b"failed "):], type=_Failure)
+    except msgspec.ValidationError:  # (DecodeError is one)
+        return None
+    return ProcessStartFailed(failure.message, failure.kind)
 
 
 def _package_root() -> str | None:
@@ -207,7 +240,32 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
-async def _child_main(spec: _Spec, ready_fd: int) -> None:
+class _ReadyPipe:
+    """The child's end of the ready pipe: one line, ``ready`` or ``failed <json>``, then closed."""
+
+    MAX_MESSAGE = 2000  # characters of the error's text (a pipe write up to PIPE_BUF is atomic)
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def report(self, line: bytes) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                os.write(fd, line)
+            except OSError:  # (the parent gave up on us)
+                pass
+            os.close(fd)
+
+    def ready(self) -> None:
+        self.report(b"ready\n")
+
+    def failed(self, exc: BaseException) -> None:
+        text = " ".join((str(exc) or type(exc).__name__).split())[:self.MAX_MESSAGE]
+        self.report(b"failed " + msgspec.json.encode(_Failure(type(exc).__name__, text)) + b"\n")
+
+
+async def _child_main(spec: _Spec, ready: _ReadyPipe) -> None:
     factory = _load(spec.target)
     async with open_hub(spec.hub) as hub, trio.open_nursery() as nursery:
         nursery.start_soon(_exit_when_parent_dies, spec.parent_pid)
@@ -222,8 +280,7 @@ async def _child_main(spec: _Spec, ready_fd: int) -> None:
                 done.set()
 
         await nursery.start(run_child)
-        os.write(ready_fd, b"ready\n")
-        os.close(ready_fd)
+        ready.ready()
         await done.wait()
         nursery.cancel_scope.cancel()
 
@@ -258,15 +315,31 @@ def _read_line(fd: int) -> bytes:
     return bytes(line)
 
 
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The error inside nested exception groups (the first that is not a cancellation)."""
+    exc = unwrap(exc)
+    while isinstance(exc, BaseExceptionGroup):
+        leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+        if not leaves:
+            break
+        exc = unwrap(leaves[0])
+    return exc
+
+
 def main() -> None:
-    ready_fd = int(sys.argv[1])
+    ready = _ReadyPipe(int(sys.argv[1]))
     spec = msgspec.json.decode(_read_line(0), type=_Spec)
     logging.basicConfig(level=spec.log_level or logging.WARNING,
                         format=f"%(asctime)s {spec.name}[%(process)d] %(levelname)s %(name)s: %(message)s")
     try:
-        trio.run(_child_main, spec, ready_fd)
-    except BaseException:  # noqa: BLE001 - report, then exit with a status the parent reads
-        traceback.print_exc()
+        trio.run(_child_main, spec, ready)
+    except BaseException as exc:  # noqa: BLE001 - report, then exit with a status the parent reads
+        if ready.fd is not None:  # it failed to start: the parent says why; the traceback is for DEBUG
+            ready.failed(_first_leaf(exc))
+            if logging.getLogger().isEnabledFor(logging.DEBUG):
+                traceback.print_exc()
+        else:
+            traceback.print_exc()
         sys.stderr.flush()
         os._exit(EXIT_CRASHED)
 

@@ -23,9 +23,8 @@ import trio
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 
-from actors import ChildStartError
-
 from .http.app import build_app, hypercorn_config
+from .runtime.engine import failure_cause
 from .runtime.launch import open_runtime
 from .runtime.replicas import run_replica
 from .runtime.topology import Topology, TopologyError, load_topology
@@ -279,16 +278,7 @@ def check_model(topology: Topology) -> None:
 
 def cause_of(exc: BaseException) -> str:
     """One line for a failure: the innermost error that says what went wrong."""
-    while True:
-        if isinstance(exc, BaseExceptionGroup):
-            leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
-            if not leaves:
-                break
-            exc = leaves[0]
-        elif isinstance(exc, ChildStartError) and exc.__cause__ is not None:
-            exc = exc.__cause__
-        else:
-            break
+    exc = failure_cause(exc)
     text = str(exc) or type(exc).__name__
     return " ".join(text.split())[:1000]
 

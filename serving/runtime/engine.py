@@ -12,6 +12,7 @@ on a background thread::
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,10 +23,29 @@ import trio
 
 from ..managers.messages import SamplingParams
 from ..managers.tokenizer_manager import Chunk, GenerateInput, TokenizerManager, fold
+from actors import ChildStartError
+
 from .launch import LocalRuntime, open_runtime
 from .topology import ActorsSection, ModelSection, Placement, SchedulerSection, Topology
 
-__all__ = ["AsyncEngine", "Engine", "open_engine", "topology_for"]
+__all__ = ["AsyncEngine", "Engine", "failure_cause", "open_engine", "topology_for"]
+
+
+def failure_cause(exc: BaseException) -> BaseException:
+    """The error that says what went wrong, out of trio's exception groups (their first leaf that is
+    not a cancellation) and a child's ``ChildStartError`` (its ``__cause__``: for a child process, an
+    ``actors.process.ProcessStartFailed`` with the child's error text)."""
+    while True:
+        if isinstance(exc, BaseExceptionGroup):
+            leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+            if not leaves:
+                return exc
+            exc = leaves[0]
+        elif isinstance(exc, ChildStartError) and exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            return exc
+
 
 class AsyncEngine:
     """The offline API over a running ``LocalRuntime`` (``runtime``)."""
@@ -111,15 +131,16 @@ class Engine:
 
         try:
             trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            self._error = exc
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread: the cause itself
+            self._error = failure_cause(exc)
         finally:
             self._ready.set()
 
     def generate(self, prompts: Any, sampling_params: dict[str, Any] | None = None,
                  **options: Any) -> list[dict[str, Any]]:
         assert self._engine is not None, "the engine is shut down"
-        return trio.from_thread.run(self._engine.generate, prompts, sampling_params, **options,
+        # (trio.from_thread.run passes positional arguments only)
+        return trio.from_thread.run(functools.partial(self._engine.generate, prompts, sampling_params, **options),
                                     trio_token=self._token)
 
     def shutdown(self) -> None:

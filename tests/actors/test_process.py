@@ -12,7 +12,7 @@ import zmq
 import zmq.auth
 
 from actors import ChildSpec, ChildStartError, RestartIntensityExceeded, Strategy
-from actors.process import ProcessChild, ProcessExited
+from actors.process import ProcessChild, ProcessExited, ProcessStartFailed
 from actors.testing import open_harness
 from transports import CurveConfig, Encoder, HubOptions
 
@@ -100,10 +100,12 @@ async def test_crashing_processes_exceed_intensity_and_escalate(ipc):
         assert isinstance(failed.reason, RestartIntensityExceeded)
 
 
-async def test_a_process_that_fails_to_start_is_a_start_error():
+async def test_a_process_that_fails_to_start_is_a_start_error_that_says_why():
     async with open_harness() as h:
-        with pytest.raises(ChildStartError, match="did not report ready"):
+        with pytest.raises(ChildStartError, match="did not report ready: RuntimeError: no model here") as failed:
             await h.start_supervisor("sup", [process_spec("x", "fails_to_start")])
+    cause = failed.value.__cause__.__cause__  # the supervisor's start error, then the process child's
+    assert isinstance(cause, ProcessStartFailed) and str(cause) == "no model here" and cause.kind == "RuntimeError"
 
 
 async def test_shutdown_escalates_ask_sigterm_sigkill(ipc):
