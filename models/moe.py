@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ModelLoadError
-from .projections import Projection
+
+if TYPE_CHECKING:  # (projections imports loading through cpu_kernels; loading imports this module)
+    from .projections import Projection
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # [n, 2I] = [gate | up] -> [n, I]
 
