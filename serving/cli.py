@@ -57,6 +57,7 @@ OVERRIDES = {
     "schedule_policy": "scheduler.schedule_policy",
     "enable_deterministic_inference": "scheduler.enable_deterministic_inference",
     "tool_call_parser": "server.tool_call_parser",
+    "reasoning_parser": "server.reasoning_parser",
     "dp_size": "scheduler.replicas",
     "router_policy": "router.policy",
     "launcher": "server.launcher",
@@ -106,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
                          "on a Ray cluster (server.launcher; pip install tercet[ray])")
     serve_p.add_argument("--ray-address", help="the Ray cluster (server.ray_address; default: auto)")
     serve_p.add_argument("--tool-call-parser", help="the format of tool calls: hermes (<tool_call> JSON blocks)")
+    serve_p.add_argument("--reasoning-parser", help="split a model's <think>...</think> block into reasoning_content: "
+                         "qwen3 (the answer may open one) or deepseek-r1 (the answer starts inside one)")
     serve_p.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=None,
                          help="batch-invariant kernels (the default on CPU): greedy output independent of batching, "
                               "prefix cache, chunking and crash resume")

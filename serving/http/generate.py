@@ -89,9 +89,11 @@ class _Stream(StreamingResponse):
 
 async def run_request(request: Request, state: ServerState, obj: GenerateInput,
                       whole: Callable[[list[dict[str, Any]]], Any], piece: Renderer,
-                      tail: Callable[[], list[Any]] = list, names: dict[str, str] | None = None) -> Response:
+                      tail: Callable[[], list[Any]] = list, names: dict[str, str] | None = None,
+                      ends: Callable[[Chunk], bool] | None = None) -> Response:
     """Generate ``obj``; a JSON response from ``whole`` or an SSE stream of ``piece``s.
-    ``names``: what the client calls the fields an error may name (OpenAI's ``max_tokens``)."""
+    ``names``: what the client calls the fields an error may name (OpenAI's ``max_tokens``).
+    ``ends``: whether a chunk completes its sub-request's answer early (the rest is aborted)."""
     tm = state.runtime.tokenizer_manager
     try:
         weight = check_samples(obj, tm.limits)  # each sub-request counts against admission
@@ -106,6 +108,8 @@ async def run_request(request: Request, state: ServerState, obj: GenerateInput,
         if gone:  # the client left while its request waited (paused, restarting)
             return Response(status_code=499)
         stream = await held.enter_async_context(_closing(tm.generate(obj, admission=admission)))
+        if ends is not None:
+            stream = _EndingEarly(stream, tm, ends)
         timer = state.metrics.timer()
         try:
             gone, first = await until_disconnected(request, lambda: _first(stream))
@@ -163,6 +167,26 @@ async def _events(first: Chunk, stream: AsyncIterator[Chunk], timer: Any, piece:
     for data in tail():
         yield _sse(data)
     yield b"data: [DONE]\n\n"
+
+
+class _EndingEarly:
+    """``stream``'s chunks, each sub-request's generation aborted once ``ends`` says its answer is
+    complete (its aborted end still comes through, for the renderer to drop). An iterator, not an
+    async generator: nothing is left to finalize when a response stops reading it half-way."""
+
+    MESSAGE = "the answer was complete"
+
+    def __init__(self, stream: AsyncIterator[Chunk], tm: Any, ends: Callable[[Chunk], bool]) -> None:
+        self.stream, self.tm, self.ends = stream, tm, ends
+
+    def __aiter__(self) -> _EndingEarly:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk = await anext(self.stream)
+        if self.ends(chunk):
+            await self.tm.abort(chunk.rid, self.MESSAGE)
+        return chunk
 
 
 async def _first(stream: AsyncIterator[Chunk]) -> Chunk | None:
@@ -257,15 +281,23 @@ async def _openai(request: Request, state: ServerState, kind: str, shape: type,
         obj = await trio.to_thread.run_sync(_convert, convert, req)  # schemas are compiled and dumped: off the loop
     else:
         obj = _convert(convert, req)
+    reasoning = state.topology.server.reasoning_parser if kind == "chat" else None
+    if reasoning is not None and (param := req.structured_param()) is not None:
+        # (the constraint would bind the answer from its first token: no think block could come first)
+        raise BadRequest(f"{param}: structured output cannot be combined with the reasoning parser "
+                         f"({reasoning}) of this server", param)
+    if reasoning is not None and req.tools and req.tool_choice not in (None, "auto", "none"):
+        reasoning = None  # a required or named call is enforced from the first token: there is no think block
     prompts = 1
     if kind == "completion" and not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))):
         prompts = len(req.prompt)
     responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n,
-                          tools=obj.tools is not None, strings=state.token_strings)
+                          tools=obj.tools is not None, strings=state.token_strings, reasoning=reasoning)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run_request(
         request, state, obj, responder.whole, responder.stream_chunk,
         tail=lambda: [responder.usage_chunk()] if include_usage else [], names=OPENAI_NAMES,
+        ends=responder.ends if obj.tools is not None else None,
     )
 
 

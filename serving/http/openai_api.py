@@ -39,7 +39,8 @@ from ..managers.messages import (
 from ..managers.grammar import GrammarError, constraint_of
 from ..managers.inputs import check_tools, checked_grammar
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
-from ..managers.tools import ToolStream, auto_grammar, call_grammar, parse, valid_calls
+from ..managers.tools import auto_grammar, call_grammar, valid_calls
+from .answer import AnswerStream, take_apart
 
 __all__ = [
     "ChatRequest",
@@ -155,6 +156,16 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
             no_stop_trim=self.no_stop_trim, n=self.n, logit_bias=self.logit_bias or None,
             **self.constraint(),
         )
+
+    def structured_param(self) -> str | None:
+        """The parameter that asks for structured output (a JSON schema, a regex, a grammar, choices), if any."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        so = self.structured_outputs
+        if so is not None and any(v is not None for v in (so.json, so.regex, so.choice, so.grammar)):
+            return "structured_outputs"
+        return next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                     if getattr(self, name) is not None), None)
 
     def constraint(self) -> dict[str, str]:
         """The one constraint asked for, as SamplingParams fields (json_schema / regex / grammar)."""
@@ -357,10 +368,15 @@ class Responder:
     """Builds one request's responses (whole or streamed) in the OpenAI shapes."""
 
     def __init__(self, kind: str, model: str, tokenizer: Any, num_choices: int, n: int = 1,
-                 tools: bool = False, strings: TokenStrings | None = None) -> None:
+                 tools: bool = False, strings: TokenStrings | None = None, reasoning: str | None = None) -> None:
         self.kind = kind  # "completion" | "chat"
         self.tools = tools  # the answer may hold tool calls (Hermes format): parse them out
-        self.streams = [ToolStream() for _ in range(num_choices)] if tools else []
+        self.reasoning = reasoning  # the reasoning parser: the think block goes to reasoning_content
+        split = tools or reasoning is not None
+        self.streams = [AnswerStream(reasoning=reasoning, tools=tools) for _ in range(num_choices)] if split else []
+        # each choice's text as it arrives, watched for a repeated tool call (``ends``)
+        self.watchers = [AnswerStream(reasoning=reasoning, tools=True) for _ in range(num_choices)] if tools else []
+        self.ended = [False] * num_choices  # a streamed choice already finished (at a repeated call)
         self.n = n
         self.model = model
         self.tokenizer = tokenizer
@@ -412,12 +428,19 @@ class Responder:
             if not self.sent_role[chunk.index]:
                 self.sent_role[chunk.index] = True
                 delta["role"] = "assistant"
-            text, calls = chunk.text, []
-            if self.tools:
+            text, thought, calls = chunk.text, "", []
+            if self.streams:
+                if self.ended[chunk.index]:
+                    return None  # (what came after a repeated call, and the end of its aborted generation)
                 stream = self.streams[chunk.index]
-                text, calls = stream.feed(chunk.text, final=chunk.finished is not None)
-                if stream.calls and choice["finish_reason"] == "stop":
+                thought, text, calls = stream.feed(chunk.text, final=chunk.finished is not None)
+                if stream.repeated:
+                    self.ended[chunk.index] = True
                     choice["finish_reason"] = "tool_calls"
+                elif stream.calls and choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            if thought:
+                delta["reasoning_content"] = thought
             if calls:
                 delta["tool_calls"] = calls
             if text or not delta:
@@ -428,6 +451,17 @@ class Responder:
             choice["text"] = chunk.text
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def ends(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` completes its choice's answer before its generation ends (a repeated
+        tool call): the caller aborts the rest of that generation (once per choice)."""
+        if not self.watchers or chunk.finished is not None:
+            return False
+        watcher = self.watchers[chunk.index]
+        if watcher.repeated:
+            return False  # (said already)
+        watcher.feed(chunk.text)
+        return watcher.repeated
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -444,12 +478,14 @@ class Responder:
             if self.kind == "chat":
                 message: dict[str, Any] = {"role": "assistant", "content": result["text"]}
                 reason = finish_reason(result["finished"])
-                if self.tools:
-                    content, calls = parse(result["text"])
-                    if calls:
-                        message = {"role": "assistant", "content": content,
-                                   "tool_calls": [call.to_openai() for call in calls]}
-                        reason = "tool_calls" if reason == "stop" else reason
+                if self.streams:
+                    answer = take_apart(result["text"], reasoning=self.reasoning, tools=self.tools)
+                    message["content"] = answer.content
+                    if self.reasoning is not None:
+                        message["reasoning_content"] = answer.reasoning
+                    if answer.calls:
+                        message["tool_calls"] = [call.to_openai() for call in answer.calls]
+                        reason = "tool_calls" if reason == "stop" or answer.repeated else reason
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": result["text"], "logprobs": logprobs,

@@ -18,6 +18,12 @@ earlier calls in the history rendered the same way, and tool results as
 valid against each function's JSON schema. ``auto`` leaves the choice to the
 model, but a call it starts is held to the same schemas (``auto_grammar``), and
 ``parse`` finds the calls it made.
+
+A call identical to one already made in the same answer (the same name and
+arguments, compared as parsed JSON) ends the calls there: a small model held to
+``call+`` tends to write the same calls again until ``max_tokens``. The repeat
+and whatever follows it are dropped (``parse``, ``ToolStream``), and the HTTP
+side aborts the rest of that generation and finishes with ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PARSERS", "ToolCall", "ToolStream", "auto_grammar", "call_grammar", "hermes_messages", "parse",
-           "valid_calls"]
+__all__ = ["PARSERS", "Answer", "ToolCall", "ToolStream", "auto_grammar", "call_grammar", "hermes_messages",
+           "parse", "parse_answer", "valid_calls"]
 
 PARSERS = ("hermes",)  # --tool-call-parser (vLLM's names)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -56,6 +62,14 @@ class ToolCall:
         if index is not None:
             out["index"] = index
         return out
+
+    def same_as(self, other: ToolCall) -> bool:
+        """The same function with the same arguments (as parsed JSON: key order and layout aside)."""
+        return self.name == other.name and json.loads(self.arguments) == json.loads(other.arguments)
+
+
+def _repeats(call: ToolCall, made: list[ToolCall]) -> bool:
+    return any(call.same_as(earlier) for earlier in made)
 
 
 def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,22 +150,43 @@ def _call_schema(tools: list[dict[str, Any]], only: str | None) -> dict[str, Any
     return {"anyOf": shapes, "x-guidance": {"whitespace_flexible": False}}
 
 
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content before the first call or None, the calls) of a Hermes answer. A block whose JSON
-    is not a call is left in the content, as the model wrote it."""
-    calls, kept, last = [], [], 0
+@dataclass
+class Answer:
+    """A Hermes answer taken apart: its text outside the calls (None when there is none beside
+    calls), the calls, and whether they ended at a repeated call (dropped with what followed)."""
+
+    content: str | None
+    calls: list[ToolCall]
+    repeated: bool = False
+
+
+def parse_answer(text: str) -> Answer:
+    """``text`` taken apart. A block whose JSON is not a call is left in the content, as the model
+    wrote it; a call identical to an earlier one ends the answer there."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last, repeated = 0, False
     for match in _CALL.finditer(text):
         call = _call_of(match.group(1))
         if call is None:
             continue
         kept.append(text[last:match.start()])
+        if _repeats(call, calls):
+            last, repeated = len(text), True
+            break
         last = match.end()
         calls.append(call)
     if not calls:
-        return text, []
+        return Answer(text, [])
     kept.append(text[last:])
     content = "".join(kept).strip()
-    return content or None, calls
+    return Answer(content or None, calls, repeated)
+
+
+def parse(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content before the first call or None, the calls) of a Hermes answer (``parse_answer``)."""
+    answer = parse_answer(text)
+    return answer.content, answer.calls
 
 
 def _call_of(body: str) -> ToolCall | None:
@@ -175,15 +210,24 @@ def _call_of(body: str) -> ToolCall | None:
 class ToolStream:
     """Turns a streamed Hermes answer into OpenAI deltas: content as it comes (holding back what
     may be the start of a call), then each call as it closes — first its id and name, then its
-    arguments (the official client accumulates ``delta.tool_calls`` by ``index``)."""
+    arguments (the official client accumulates ``delta.tool_calls`` by ``index``). A call that
+    repeats an earlier one ends the answer: ``repeated`` turns true, and that call and all that
+    follows are dropped."""
 
     def __init__(self) -> None:
         self.buffer = ""
-        self.calls = 0
+        self.made: list[ToolCall] = []
         self.in_call = False
+        self.repeated = False
+
+    @property
+    def calls(self) -> int:
+        return len(self.made)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(content to send now, tool-call deltas to send now)."""
+        if self.repeated:
+            return "", []
         self.buffer += text
         content, deltas = [], []
         while True:
@@ -210,10 +254,13 @@ class ToolStream:
             if call is None:
                 content.append(block)
                 continue
+            if _repeats(call, self.made):
+                self.repeated, self.buffer = True, ""
+                break
             head = call.to_openai(self.calls)
             head["function"] = {"name": call.name, "arguments": ""}
             deltas += [head, {"index": self.calls, "function": {"arguments": call.arguments}}]
-            self.calls += 1
+            self.made.append(call)
         if self.calls:
             content = [piece for piece in content if piece.strip()]
         return "".join(content), deltas

@@ -74,6 +74,8 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
     weights_roots: list[str] = []
     weights_drain_timeout: float = 60.0  # requests in flight must finish within this, else 409
     tool_call_parser: Literal["hermes"] = "hermes"  # how tool calls are written and read (vLLM's names)
+    # how a model writes its reasoning (<think>…</think>): split into reasoning_content (SGLang's names)
+    reasoning_parser: Literal["qwen3", "deepseek-r1"] | None = None
     # who starts the remote replicas: someone else (local: `tercet replica` by hand, Kubernetes), or
     # this server, as actors on a Ray cluster (ray; `pip install tercet[ray]`) at ray_address (None: auto)
     launcher: Literal["local", "ray"] = "local"
