@@ -1,5 +1,10 @@
 """Prometheus metrics of one server: request figures observed here, runtime
-figures read from the runtime's status at scrape time."""
+figures read from the runtime's status at scrape time.
+
+The scheduler's queue, running and KV-usage gauges are also exposed under
+SGLang's and vLLM's names (``ALIASES``), with the same values: the Kubernetes
+Gateway API Inference Extension's endpoint picker and llm-d route on those
+(docs/gateway.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..managers.tokenizer_manager import Chunk
 from ..runtime.interface import Runtime
 
-__all__ = ["Metrics", "RequestTimer"]
+__all__ = ["ALIASES", "Metrics", "RequestTimer"]
+
+# tercet's gauge → the same figure under SGLang's and vLLM's names (vLLM's KV gauge by its old name and its new)
+ALIASES = {
+    "tercet_num_queue_reqs": ("sglang:num_queue_reqs", "vllm:num_requests_waiting"),
+    "tercet_num_running_reqs": ("sglang:num_running_reqs", "vllm:num_requests_running"),
+    "tercet_kv_cache_usage": ("sglang:token_usage", "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+}
 
 
 class Metrics:
@@ -65,6 +77,9 @@ class Metrics:
                                       ["replica"], registry=r, multiprocess_mode="mostrecent")
         self.migrated = Gauge("tercet_migrated_requests", "Requests resumed on another replica", registry=r,
                               multiprocess_mode="sum")
+        self.aliases = {own: [Gauge(name, f"{own}, by the name gateways read", registry=r,
+                                    multiprocess_mode="mostrecent") for name in names]
+                        for own, names in ALIASES.items()}
         self._recoveries_seen = 0
 
     def timer(self) -> RequestTimer:
@@ -74,10 +89,13 @@ class Metrics:
         """The metrics page; ``info``: the scheduler's latest figures (ServerInfoReq), if any."""
         tm = runtime.tokenizer_manager
         if info is not None:
-            self.waiting.set(info["waiting"])
-            self.running.set(info["running"])
             total = info["kv_pages_total"] or 1
-            self.kv_usage.set(1 - info["kv_pages_free"] / total)
+            for own, gauge, value in (("tercet_num_queue_reqs", self.waiting, info["waiting"]),
+                                      ("tercet_num_running_reqs", self.running, info["running"]),
+                                      ("tercet_kv_cache_usage", self.kv_usage, 1 - info["kv_pages_free"] / total)):
+                gauge.set(value)
+                for alias in self.aliases[own]:
+                    alias.set(value)
         status = runtime.status
         for actor, count in status.restarts.items():
             self.restarts.labels(actor).set(count)
