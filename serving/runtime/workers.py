@@ -216,13 +216,19 @@ class Coordinator(Actor):
 
 
 class StatusBroadcaster:
-    """Sends each RuntimeStatus to every worker, in order, from one task."""
+    """Sends each RuntimeStatus to every worker, in order, from one task.
+
+    A worker that does not take a status within ``SEND_TIMEOUT`` s (restarting, or swamped) does not
+    hold up the others; it is owed that status, which goes to it again every ``SEND_TIMEOUT`` s until
+    it is taken, folded into any newer one (a ``resume`` owed stays a resume: a worker that missed it
+    would never resubmit its requests; round 1's L9)."""
 
     def __init__(self, hub: Any, addresses: list[str]) -> None:
         self.hub = hub
         self.addresses = addresses
         self._send, self._receive = trio.open_memory_channel[RuntimeStatus](math.inf)
         self._senders: dict[str, Any] = {}
+        self.owed: dict[str, RuntimeStatus] = {}  # per worker, the status it has not taken yet
 
     def publish(self, status: RuntimeStatus) -> None:
         self._send.send_nowait(status)
@@ -233,19 +239,40 @@ class StatusBroadcaster:
 
     async def run(self) -> None:
         try:
-            async for status in self._receive:
-                for address in self.addresses:
-                    with trio.move_on_after(1.0) as waited:  # a worker that is not there does not stop the rest
-                        sender = self._senders.get(address)
-                        if sender is None:
-                            sender = self._senders[address] = await self.hub.connect(address)
-                        await sender.send(status)
-                    if waited.cancelled_caught:
-                        log.warning("runtime status to %s not sent within 1 s", address)
+            while True:
+                status = None
+                with trio.move_on_after(SEND_TIMEOUT if self.owed else math.inf):
+                    try:
+                        status = await self._receive.receive()
+                    except trio.EndOfChannel:
+                        break
+                if status is not None:
+                    for address in self.addresses:
+                        await self._deliver(address, status)
+                else:  # idle: what is owed, again
+                    for address, owed in list(self.owed.items()):
+                        await self._deliver(address, owed)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 for sender in self._senders.values():
                     await sender.aclose()
+
+    async def _deliver(self, address: str, status: RuntimeStatus) -> None:
+        owed = self.owed.pop(address, None)
+        if owed is not None and owed.resume and not status.resume:
+            status = msgspec.structs.replace(status, resume=True, crash=status.crash or owed.crash)
+        with trio.move_on_after(SEND_TIMEOUT) as waited:  # a worker that is not there does not stop the rest
+            sender = self._senders.get(address)
+            if sender is None:
+                sender = self._senders[address] = await self.hub.connect(address)
+            await sender.send(status)
+        if waited.cancelled_caught:
+            self.owed[address] = status
+            log.warning("runtime status to %s not sent within %g s; sent again until it is taken",
+                        address, SEND_TIMEOUT)
+
+
+SEND_TIMEOUT = 1.0  # the longest a status waits for one worker before the next worker gets it
 
 
 class _WorkerProcess:

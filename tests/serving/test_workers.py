@@ -333,3 +333,48 @@ async def test_past_the_restart_intensity_every_worker_fails_its_requests_fast(n
     for pid in pids.values():  # every child process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_a_status_a_worker_did_not_take_is_sent_again_and_a_resume_is_not_lost(autojump_clock):
+    """L9: a worker that is not there when a ``resume`` goes out (restarting, swamped) gets it later,
+    folded into any newer status; the others are not held up meanwhile."""
+    from serving.managers.messages import RuntimeStatus
+    from serving.runtime.workers import SEND_TIMEOUT, StatusBroadcaster
+
+    received: dict[str, list[RuntimeStatus]] = {"w0": [], "w1": []}
+    away = {"w1": 2}  # w1 takes nothing for its first two tries
+
+    class Sender:  # (a unit fake: the broadcaster's own logic, not the transport, is under test)
+        def __init__(self, address):
+            self.address = address
+
+        async def send(self, status):
+            if away.get(self.address, 0) > 0:
+                away[self.address] -= 1
+                await trio.sleep_forever()
+            received[self.address].append(status)
+
+        async def aclose(self):
+            await trio.lowlevel.checkpoint()
+
+    class Hub:
+        async def connect(self, address):
+            await trio.lowlevel.checkpoint()
+            return Sender(address)
+
+    broadcaster = StatusBroadcaster(Hub(), ["w1", "w0"])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(broadcaster.run)
+        start = trio.current_time()
+        broadcaster.publish(RuntimeStatus(scheduler_up=True, resume=True, crash="the scheduler crashed"))
+        broadcaster.publish(RuntimeStatus(scheduler_up=True))
+        while len(received["w0"]) < 2:
+            await trio.sleep(0.01)
+        assert trio.current_time() - start < 2 * SEND_TIMEOUT + 0.5  # w0 was not held up for long
+        while not received["w1"]:
+            await trio.sleep(0.01)
+        assert broadcaster.owed == {}
+        broadcaster.close()
+    assert [s.resume for s in received["w0"]] == [True, False]
+    assert len(received["w1"]) == 1  # the newer status, carrying the resume it missed
+    assert received["w1"][0].resume and received["w1"][0].crash == "the scheduler crashed"
