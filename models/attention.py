@@ -9,6 +9,10 @@ The runner lays a step out as [decode tokens..., prefill chunks...] and builds o
 - `TorchAttention` (CPU without the kernels, mode off): decode rows bucketed through SDPA;
 - `TritonAttention` (CUDA): the triton paged kernel, or its split-KV kernel for every row.
 
+Layers with a sliding window or an attention soft-cap (families.py) pass them to `attend`: the
+C++ kernel takes both (`KernelAttention`); every other backend sends those layers through the
+plan's `fallback`, the split-KV torch code (`SplitAttention`), batch-invariant too.
+
 The torch functions here are also the references the C++ and triton kernels are tested against.
 """
 
@@ -48,6 +52,12 @@ class AttentionPlan:
 
     slots: torch.Tensor  # [T] cache row of each new token
     backend: "TorchAttention | KernelDecodeAttention | KernelAttention | SplitAttention | TritonAttention"
+    fallback: "SplitAttention | None" = None  # for windowed / soft-capped layers where the backend has neither
+
+    @property
+    def windows(self) -> bool:
+        """Whether the backend itself takes a layer's sliding window and soft-cap."""
+        return isinstance(self.backend, (KernelAttention, SplitAttention))
 
     @property
     def triton(self) -> bool:
@@ -173,16 +183,24 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale, com
     return out[0].transpose(0, 1).to(out_dtype)
 
 
-def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale, stored: bool = False):
+def attend(q, k, v, k_cache, v_cache, plan: AttentionPlan, scale, stored: bool = False,
+           window: int | None = None, softcap: float | None = None):
     """Store this layer's new K/V (unless `stored`: done already), then attend every row;
-    q/k/v are [T, heads, d]."""
+    q/k/v are [T, heads, d]. `window`: each row attends only its last `window` keys;
+    `softcap`: scores capped as softcap * tanh(s / softcap)."""
     if not stored and plan.triton:
         from . import triton_attention
 
         triton_attention.store_kv(k_cache, v_cache, k, v, plan.slots)
     elif not stored:
         store_kv(k_cache, v_cache, k, v, plan.slots)
-    return plan.backend.attend(q, k, v, k_cache, v_cache, scale)
+    if window is None and softcap is None:
+        return plan.backend.attend(q, k, v, k_cache, v_cache, scale)
+    if plan.windows:
+        return plan.backend.attend(q, k, v, k_cache, v_cache, scale, window=window, softcap=softcap)
+    if plan.fallback is None:
+        raise ValueError("a windowed or soft-capped layer needs a plan built with windowed=True (batch.build_batch)")
+    return plan.fallback.attend(q, k, v, k_cache, v_cache, scale, window=window, softcap=softcap)
 
 
 def _prefill_chunks(out, q, k, v, k_cache, v_cache, chunks: list[PrefillChunk], scale, compute_dtype):
@@ -239,9 +257,9 @@ class KernelAttention:
     row_lens: torch.Tensor  # [T] int32, keys each row attends (its position + 1)
     page_size: int
 
-    def attend(self, q, k, v, k_cache, v_cache, scale):
+    def attend(self, q, k, v, k_cache, v_cache, scale, window=None, softcap=None):
         return cpu_kernels.paged_attention(q, k_cache, v_cache, self.page_table, self.row_seq, self.row_lens,
-                                           self.page_size, scale)
+                                           self.page_size, scale, window, softcap)
 
 
 @dataclass
@@ -251,11 +269,11 @@ class SplitAttention:
 
     groups: list[SplitGroup]
 
-    def attend(self, q, k, v, k_cache, v_cache, scale):
+    def attend(self, q, k, v, k_cache, v_cache, scale, window=None, softcap=None):
         out = torch.empty_like(q)
         for group in self.groups:
             part = slice(group.start, group.end)
-            out[part] = split_kv_attention(q[part], k_cache, v_cache, group, scale)
+            out[part] = split_kv_attention(q[part], k_cache, v_cache, group, scale, window, softcap)
         return out
 
 

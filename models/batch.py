@@ -26,7 +26,7 @@ from .attention import (
 )
 from .errors import InvalidBatch
 from .kv_cache import pages_for
-from .split_attention import SplitGroup, split_group
+from .split_attention import DEFAULT_SPLIT, SplitGroup, split_group
 
 
 class _Seq(Protocol):
@@ -48,12 +48,14 @@ BACKENDS = ("kernel", "kernel-decode", "split", "torch", "triton", "triton-split
 
 def build_batch(
     seqs: Sequence[_Seq], page_size: int, device, backend: str, *, kv_heads: int,
-    split: int | None = None, compute_dtype: torch.dtype | None = None,
+    split: int | None = None, compute_dtype: torch.dtype | None = None, windowed: bool = False,
 ) -> Batch:
     """`seqs` must list single-token (decode) sequences first; `backend` names the attention
     backend (attention.py) to lay the step out for: "kernel", "kernel-decode", "split" and
     "triton-split" need `split` only for the torch and triton split-KV paths; `kv_heads` is the
-    model's (the torch decode path's gather indices); `compute_dtype` as in TorchAttention."""
+    model's (the torch decode path's gather indices); `compute_dtype` as in TorchAttention; `windowed`:
+    the model has layers with a sliding window or an attention soft-cap, so a backend without them
+    gets the split-KV torch path as the plan's fallback for those layers."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (one of {', '.join(BACKENDS)})")
     for s in seqs:
@@ -92,11 +94,14 @@ def build_batch(
         if backend == "triton-split":
             attention.split = split
             attention.row_table, attention.row_pos = _triton_rows(decode, prefill, positions, page_size, device)
+    plan = AttentionPlan(torch.cat(slot_parts).to(device), attention)
+    if windowed and not plan.windows:
+        plan.fallback = SplitAttention(_split_groups(decode, prefill, chunks, page_size, split or DEFAULT_SPLIT, device))
     last_rows = list(range(num_decode)) + [c.end - 1 for c in chunks]
     return Batch(
         torch.tensor(ids, dtype=torch.long, device=device),
         torch.tensor(positions, dtype=torch.long, device=device),
-        AttentionPlan(torch.cat(slot_parts).to(device), attention), last_rows,
+        plan, last_rows,
     )
 
 

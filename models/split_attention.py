@@ -53,6 +53,7 @@ class SplitGroup:
     kv_rows: torch.Tensor  # [B, J * split] cache row of each key position (masked ones: row 0)
     valid: torch.Tensor  # [B, J, n, split] bool: key position <= query position
     max_cached: int  # the largest num_cached: queries below j * split - max_cached see no split j
+    query_pos: torch.Tensor | None = None  # [B, n] each query's absolute position (sliding windows)
 
     @property
     def end(self) -> int:
@@ -73,19 +74,28 @@ def split_group(start: int, tables: Sequence[Sequence[int]], num_cached: Sequenc
     rows = rows.masked_fill(key_pos[None, :] >= lengths[:, None], 0)
     query_pos = torch.tensor(num_cached)[:, None] + torch.arange(num_queries)  # [B, n]
     valid = key_pos.view(num_splits, 1, split)[None] <= query_pos[:, None, :, None]
-    return SplitGroup(start, len(tables), num_queries, rows.to(device), valid.to(device), max(num_cached))
+    return SplitGroup(start, len(tables), num_queries, rows.to(device), valid.to(device), max(num_cached),
+                      query_pos.to(device))
 
 
-def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float) -> torch.Tensor:
+def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     """q [B * n, heads, d] (sequence-major) of one group -> [B * n, heads, d], in fp32 inside.
 
     Split by split, each query column folds in the splits it sees, in order
     (online softmax); a split no query of the group sees is skipped, one that
     only some see is wholly masked for the others, which leaves them exactly
-    as they were.
+    as they were. `window`: a query sees only its last `window` keys (the
+    splits before them wholly masked for it, so it starts at its first split
+    with a key as it would have at split 0); `softcap`: each score s becomes
+    softcap * tanh(s / softcap) (`tanh_cap`) before the mask.
     """
     batch, n = group.num_seqs, group.num_queries
     num_splits, split = group.valid.shape[1], group.valid.shape[-1]
+    valid = group.valid
+    if window is not None:  # key position > query position - window
+        key_pos = torch.arange(num_splits * split, device=q.device).view(num_splits, 1, split)
+        valid = valid & (key_pos[None] > group.query_pos[:, None, :, None] - window)
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     g = heads // kv_heads
@@ -100,12 +110,17 @@ def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float) -> 
     for j in range(num_splits):
         first = max(0, j * split - group.max_cached)  # queries before it see none of split j
         lo = first * g
+        if window is not None and not bool(valid[:, j, first:].any()):
+            continue  # behind every query's window
         part_max, part_sum, part_out = _split(
-            qt[..., lo:], keys[:, j], values[:, j], group.valid[:, j, first:], kv_heads, g
+            qt[..., lo:], keys[:, j], values[:, j], valid[:, j, first:], kv_heads, g, softcap
         )
         new_best = torch.maximum(best[..., lo:], part_max)
         keep = (best[..., lo:] - new_best).exp()
         take = (part_max - new_best).exp()  # 0 where the split is wholly masked
+        if window is not None:  # a query that has seen no key yet (-inf - -inf): nothing to keep or take
+            keep = keep.masked_fill(best[..., lo:] == float("-inf"), 0.0)
+            take = take.masked_fill(part_max == float("-inf"), 0.0)
         total[..., lo:] = total[..., lo:] * keep + take * part_sum
         acc[..., lo:] = acc[..., lo:] * keep[:, :, None, :] + take[:, :, None, :] * part_out
         best[..., lo:] = new_best
@@ -113,7 +128,15 @@ def split_kv_attention(q, k_cache, v_cache, group: SplitGroup, scale: float) -> 
     return out.permute(0, 3, 1, 4, 2).reshape(batch * n, heads, d).to(q.dtype)
 
 
-def _split(qt, keys, values, valid, kv_heads: int, g: int):
+def tanh_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) with tanh as 2 / (1 + exp(-2 x / cap)) - 1: `exp` and exactly rounded
+    arithmetic, so an element's bits do not depend on where it sits (torch.tanh rounds a scalar
+    tail apart, as F.silu does: invariant.py); in fp32, in x's dtype."""
+    x32 = x.float()
+    return ((2.0 / (1.0 + torch.exp(x32 * (-2.0 / cap))) - 1.0) * cap).to(x.dtype)
+
+
+def _split(qt, keys, values, valid, kv_heads: int, g: int, softcap: float | None = None):
     """One split for query columns qt [B, kv_heads, d, m] and keys/values [B, split, kv_heads, d]:
     per column its max score, sum of exp(score - max) and exp-weighted values [B, kv_heads, d, m]."""
     batch, _, d, m = qt.shape
@@ -134,6 +157,8 @@ def _split(qt, keys, values, valid, kv_heads: int, g: int):
     # .contiguous(): with one tile the reshape is a transposed view, and MKL rounds a product
     # differently by its operands' memory layout: every call gets the same layouts
     scores = scores.reshape(batch, kv_heads, width, split).contiguous()
+    if softcap is not None:
+        scores = tanh_cap(scores, softcap)
     mask = valid[:, None, :, None, :].expand(batch, kv_heads, valid.shape[1], g, split)
     mask = mask.reshape(batch, kv_heads, m, split)
     if width != m:

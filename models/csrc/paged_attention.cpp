@@ -12,6 +12,12 @@
 // sequence), seq_of_row [T] int32, lens [T] int32 -> out [T, H, D]. The H / KVH query
 // heads of a group read their kv head together; scores, softmax and sums are fp32. With
 // AVX-512 or AVX2 (vec.h) and D = 64, 128 or 256 a vector path runs, else a portable one.
+//
+// Two options of some families' layers, both off at 0 (then not one instruction differs):
+// `window` > 0 keeps a row to its last `window` keys (a sliding-window layer: keys
+// [len - window, len)), the first split cut at that start -- still a function of the
+// row's position alone; `softcap` > 0 caps each score s as softcap * tanh(s / softcap)
+// (Gemma 2's attention logits) before the softmax.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,7 +39,18 @@ namespace {
 struct Shape {
   int64_t heads, kv_heads, dim, max_pages, page_size;
   float scale;
+  int64_t window;  // 0: every key
+  float softcap;   // 0: no cap
 };
+
+inline float capped(float score, const Shape& s) {
+  return s.softcap > 0.f ? s.softcap * std::tanh(score / s.softcap) : score;
+}
+
+// The first key a row of `len` keys attends
+inline int64_t first_key(int64_t len, const Shape& s) {
+  return s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
+}
 
 inline int64_t slot_of(const int32_t* pages, int64_t t, int64_t page_size) {
   return static_cast<int64_t>(pages[t / page_size]) * page_size + t % page_size;
@@ -67,7 +84,7 @@ void split_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t*
     for (int64_t g = 0; g < group; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < dim; ++d) dot += to_float(q[g * dim + d]) * s.scale * to_float(k[d]);
-      scores[g * kSplit + t] = dot;
+      scores[g * kSplit + t] = capped(dot, s);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -144,7 +161,7 @@ void split_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pa
     for (int64_t g = 0; g < group; ++g) {
       vf dot = mul(query[g][0], key[0]);
       for (int c = 1; c < C; ++c) dot = fmadd(query[g][c], key[c], dot);
-      scores[g * kSplit + i] = reduce_add(dot);
+      scores[g * kSplit + i] = capped(reduce_add(dot), s);
     }
   }
   float* top = part + group * dim;
@@ -240,11 +257,12 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
         // kv head-major: a thread's consecutive items share a head, so its keys stay in L2 across the
         // rows of a prefill chunk (row-major items cycle through every head's keys)
         const int64_t h = item / rows, row = item % rows, len = lens[row], n = splits_of(len);
+        const int64_t start = first_key(len, s), j0 = start / kSplit;
         parts.resize(static_cast<size_t>(n * size));
-        for (int64_t j = 0; j < n; ++j)
-          split(query(row, h), k_cache, v_cache, pages(row), j * kSplit, std::min(len, (j + 1) * kSplit), s, h,
-                scores.data(), parts.data() + j * size);
-        fold<T>(parts.data(), n, group, s.dim, out + (row * s.heads + h * group) * s.dim);
+        for (int64_t j = j0; j < n; ++j)
+          split(query(row, h), k_cache, v_cache, pages(row), std::max(start, j * kSplit),
+                std::min(len, (j + 1) * kSplit), s, h, scores.data(), parts.data() + j * size);
+        fold<T>(parts.data() + j0 * size, n - j0, group, s.dim, out + (row * s.heads + h * group) * s.dim);
       }
     });
     return;
@@ -254,16 +272,16 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     std::vector<float> scores(static_cast<size_t>(group * kSplit));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task / most, j = task % most, row = item / s.kv_heads, h = item % s.kv_heads;
-      const int64_t len = lens[row];
-      if (j * kSplit >= len) continue;
-      split(query(row, h), k_cache, v_cache, pages(row), j * kSplit, std::min(len, (j + 1) * kSplit), s, h,
-            scores.data(), parts.data() + task * size);
+      const int64_t len = lens[row], start = first_key(len, s);
+      if (j * kSplit >= len || (j + 1) * kSplit <= start) continue;
+      split(query(row, h), k_cache, v_cache, pages(row), std::max(start, j * kSplit), std::min(len, (j + 1) * kSplit),
+            s, h, scores.data(), parts.data() + task * size);
     }
   });
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
-      fold<T>(parts.data() + item * most * size, splits_of(lens[row]), group, s.dim,
+      const int64_t row = item / s.kv_heads, h = item % s.kv_heads, j0 = first_key(lens[row], s) / kSplit;
+      fold<T>(parts.data() + (item * most + j0) * size, splits_of(lens[row]) - j0, group, s.dim,
               out + (row * s.heads + h * group) * s.dim);
     }
   });
@@ -271,7 +289,7 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& page_table, const at::Tensor& seq_of_row, const at::Tensor& lens,
-                           int64_t page_size, double scale) {
+                           int64_t page_size, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q must be [T, H, D] and the caches [S, KVH, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors");
@@ -282,7 +300,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(page_table.dim() == 2 && seq_of_row.numel() == q.size(0) && lens.numel() == q.size(0),
               "a page-table row per sequence, a sequence and a length per query row");
   TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
-  const Shape s{q.size(1), k_cache.size(1), q.size(2), page_table.size(1), page_size, static_cast<float>(scale)};
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
+  const Shape s{q.size(1), k_cache.size(1), q.size(2), page_table.size(1), page_size, static_cast<float>(scale),
+                window, static_cast<float>(softcap)};
   TORCH_CHECK(k_cache.size(2) == s.dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
               "head sizes must match and the query heads be a multiple of the kv heads");
   const auto q_in = q.contiguous();
@@ -326,6 +346,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(tercet, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_of_row, "
-        "Tensor lens, int page_size, float scale) -> Tensor");
+        "Tensor lens, int page_size, float scale, int window=0, float softcap=0.) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
