@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -22,7 +23,7 @@ from ..managers.messages import FinishReason, SamplingParams
 from ..managers.inputs import bounded_input, check_samples
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest, fold
 from .errors import BadRequest, decode_body, error_body, finish_error, param_of
-from .openai_api import ChatRequest, CompletionRequest, Responder, chat_input, completion_input
+from .openai_api import ChatRequest, CompletionRequest, Responder, chat_input, completion_input, thinking_first
 from .state import ServerState
 
 __all__ = ["chat_completions", "completions", "generate", "run_request"]
@@ -261,6 +262,10 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     return await _openai(request, state, "chat", ChatRequest, chat_input)
 
 
+def _thinking_first(convert: Callable[[Any], GenerateInput], parser: str, req: Any) -> GenerateInput:
+    return thinking_first(convert(req), parser, req.structured_param())
+
+
 def _convert(fn: Callable[[Any], GenerateInput], req: Any) -> GenerateInput:
     try:
         obj = fn(req)
@@ -277,17 +282,13 @@ async def _openai(request: Request, state: ServerState, kind: str, shape: type,
     state.refuse_if_overloaded()
     req = await decode_body(request, shape)
     state.check_model(req.model)
+    reasoning = state.topology.server.reasoning_parser if kind == "chat" else None
+    if reasoning is not None:  # a constraint binds the answer after the think block
+        convert = partial(_thinking_first, convert, reasoning)
     if any(getattr(req, name, None) for name in ("tools", "response_format", "structured_outputs", "guided_json")):
         obj = await trio.to_thread.run_sync(_convert, convert, req)  # schemas are compiled and dumped: off the loop
     else:
         obj = _convert(convert, req)
-    reasoning = state.topology.server.reasoning_parser if kind == "chat" else None
-    if reasoning is not None and (param := req.structured_param()) is not None:
-        # (the constraint would bind the answer from its first token: no think block could come first)
-        raise BadRequest(f"{param}: structured output cannot be combined with the reasoning parser "
-                         f"({reasoning}) of this server", param)
-    if reasoning is not None and req.tools and req.tool_choice not in (None, "auto", "none"):
-        reasoning = None  # a required or named call is enforced from the first token: there is no think block
     prompts = 1
     if kind == "completion" and not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))):
         prompts = len(req.prompt)

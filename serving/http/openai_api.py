@@ -38,6 +38,7 @@ from ..managers.messages import (
 )
 from ..managers.grammar import GrammarError, constraint_of
 from ..managers.inputs import check_tools, checked_grammar
+from ..managers.reasoning import think_first
 from ..managers.tokenizer_manager import Chunk, GenerateInput, InvalidRequest
 from ..managers.tools import auto_grammar, call_grammar, valid_calls
 from .answer import AnswerStream, take_apart
@@ -48,6 +49,7 @@ __all__ = [
     "chat_input",
     "completion_input",
     "finish_reason",
+    "thinking_first",
 ]
 
 
@@ -323,6 +325,28 @@ def chat_input(req: ChatRequest) -> GenerateInput:
     )
 
 
+
+
+def thinking_first(obj: GenerateInput, parser: str, param: str | None) -> GenerateInput:
+    """``obj`` with its constraint (if any) moved after the think block the reasoning ``parser``
+    expects: the model reasons freely, then answers as constrained. ``param``: the request's
+    parameter that asked for it (named when it cannot be combined: an EBNF grammar)."""
+    sampling = obj.sampling_params
+    constraint = constraint_of(sampling) if isinstance(sampling, SamplingParams) else None
+    if constraint is None or constraint[1].startswith("%llguidance"):
+        return obj  # (tool_choice auto: free text, a think block included, comes first already)
+    kind, text = constraint
+    try:
+        checked_grammar(kind, text)  # its own errors first, named as without a reasoning parser
+    except GrammarError as exc:
+        raise InvalidRequest(f"sampling_params.{exc}") from None
+    try:
+        grammar = think_first(kind, text, parser)
+    except ValueError:
+        raise InvalidRequest(f"{param or kind}: a grammar cannot be combined with the reasoning parser "
+                             f"({parser}) of this server; a JSON schema, a regex or choices can") from None
+    sampling = msgspec.structs.replace(sampling, json_schema=None, regex=None, ebnf=None, grammar=grammar)
+    return msgspec.structs.replace(obj, sampling_params=sampling)
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

@@ -17,11 +17,19 @@ tool calls are looked for in the rest only. Whitespace around the block is
 layout: the reasoning and the content after it are stripped, and a stream
 holds back what may be the start of a marker or trailing whitespace, so a
 streamed answer concatenates to exactly the whole one.
+
+A constraint (a JSON schema, a regex, choices, a required tool call) binds
+what comes after the think block, not the block itself: ``think_first``
+writes a lark grammar whose sentences are a think block as the parser expects
+it (optional with ``qwen3``; with ``deepseek-r1`` the answer is inside one
+until ``</think>``), the whitespace after it, then the constrained answer.
 """
 
 from __future__ import annotations
 
-__all__ = ["PARSERS", "ReasoningStream", "split_reasoning"]
+import json
+
+__all__ = ["PARSERS", "ReasoningStream", "split_reasoning", "think_first"]
 
 PARSERS = ("qwen3", "deepseek-r1")
 START, END = "<think>", "</think>"
@@ -84,3 +92,35 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     stream = ReasoningStream(parser)
     reasoning, content = stream.feed(text, final=True)
     return reasoning or None, content
+
+
+# the opening of a constrained answer, by parser: (llguidance's lazy rules end at the first </think>)
+_OPENINGS = {"qwen3": "(tercet_think TERCET_LAYOUT)?", "deepseek-r1": "tercet_thinking TERCET_LAYOUT"}
+
+
+def think_first(kind: str, text: str, parser: str) -> str:
+    """A lark grammar (the ``grammar`` kind): the think block, then the constraint ``(kind, text)``:
+    a ``json_schema``, a ``regex``, or one of tercet's own lark grammars (``grammar``: choices, tool
+    calls; its ``start`` rule becomes the answer). ValueError for another kind (``ebnf``)."""
+    if kind == "json_schema":
+        schema = json.loads(text)
+        schema = {} if schema is True else schema
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            # compact separators, no free whitespace, as a json_schema constraint compiles alone
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        answer, rules = "%json " + json.dumps(schema), ""
+    elif kind == "regex":
+        answer, rules = "/" + text.replace("/", "\\/") + "/", ""
+    elif kind == "grammar" and text.lstrip().startswith("start:"):
+        answer, rules = "tercet_answer", text.lstrip().replace("start:", "tercet_answer:", 1)
+        if rules.startswith("%llguidance"):
+            raise ValueError("grammar: a grammar of its own llguidance options")
+    else:
+        raise ValueError(f"{kind}: not combined with a reasoning parser")
+    return ("%llguidance {}\n"
+            f"start: {_OPENINGS[parser]} tercet_body\n"
+            f'tercet_think[lazy]: "{START}" /(.|\\n)*/ "{END}"\n'
+            f'tercet_thinking[lazy]: /(.|\\n)*/ "{END}"\n'
+            "TERCET_LAYOUT: /[ \\t\\r\\n]*/\n"
+            f"tercet_body: {answer}\n"
+            f"{rules}\n")
