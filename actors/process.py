@@ -243,7 +243,7 @@ def _load(target: str) -> Any:
 class _ReadyPipe:
     """The child's end of the ready pipe: one line, ``ready`` or ``failed <json>``, then closed."""
 
-    MAX_MESSAGE = 2000  # characters of the error's text (a pipe write up to PIPE_BUF is atomic)
+    MAX_MESSAGE = 2000  # characters of the error's text: a bounded line (the parent reads to its end)
 
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
