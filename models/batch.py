@@ -96,7 +96,8 @@ def build_batch(
             attention.row_table, attention.row_pos = _triton_rows(decode, prefill, positions, page_size, device)
     plan = AttentionPlan(torch.cat(slot_parts).to(device), attention)
     if windowed and not plan.windows:
-        plan.fallback = SplitAttention(_split_groups(decode, prefill, chunks, page_size, split or DEFAULT_SPLIT, device))
+        groups = _split_groups(decode, prefill, chunks, page_size, split or DEFAULT_SPLIT, device)
+        plan.fallback = SplitAttention(groups)
     last_rows = list(range(num_decode)) + [c.end - 1 for c in chunks]
     return Batch(
         torch.tensor(ids, dtype=torch.long, device=device),

@@ -263,6 +263,7 @@ class CausalLM:
                              and all(inv.shape[0] * 2 == self.head_dim for inv, _ in self.ropes.values())
                              and all(layer.rope == "default" for layer in self.layers))
         self.windowed = [i for i, layer in enumerate(self.layers) if layer.window or layer.softcap]
+        self._fallback_logged = False  # (`_log_fallback`)
         head = w.get("lm_head.weight", required=False)
         self.lm_head = Linear(self.embed if head is None else head, None, self.packed,  # tied embeddings
                               kernel=self.kernel, codes=self.codes)
@@ -312,7 +313,7 @@ class CausalLM:
         return self.final_norm(x)
 
     def _log_fallback(self, plan: AttentionPlan) -> None:
-        if not getattr(self, "_fallback_logged", False):
+        if not self._fallback_logged:
             self._fallback_logged = True
             log.info("layers %s (a sliding window or an attention soft-cap) attend through the torch split-KV "
                      "path: the %s backend has neither", self.windowed, type(plan.backend).__name__)

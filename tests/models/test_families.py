@@ -45,6 +45,8 @@ MODELS = {
     # layer 1 NoPE (every 2nd), and windowed: SmolLM3 windows only its NoPE layers
     "smollm3": dict(num_hidden_layers=3, no_rope_layer_interval=2, use_sliding_window=True, pad_token_id=0,
                     sliding_window=WINDOW),
+    # Llama's layers with a window on every one: through tercet's fused CPU ops (`_fused_forward`)
+    "mistral": dict(sliding_window=WINDOW),
 }
 
 
@@ -101,6 +103,7 @@ def test_a_saved_model_gives_transformers_logprobs_and_greedy_tokens(family_dir,
     hf = hf_from(family_dir)
     runner = ModelRunner(loaded, dtype=torch.float32, kv_budget_bytes=8 << 20, **options)
     assert runner.attention == backend
+    assert runner.model.llama_layers == (loaded.config.model_type == "mistral")  # which takes the fused ops
     rnd = random.Random(0)
     worst = 0.0
     for n in (5, 23):
@@ -120,15 +123,17 @@ def test_a_saved_model_gives_transformers_logprobs_and_greedy_tokens(family_dir,
 def test_the_tiny_configs_exercise_what_each_family_changes():
     """The windows bind (shorter than the sequences, beside global layers where the family has them),
     and the NoPE / local-rope layers are there."""
-    windows = {t: [sliding_window(tiny_config(t, **MODELS[t]), i) for i in range(tiny_config(t, **MODELS[t]).num_hidden_layers)]
-               for t in MODELS}
+    configs = {t: tiny_config(t, **MODELS[t]) for t in MODELS}
+    windows = {t: [sliding_window(c, i) for i in range(c.num_hidden_layers)] for t, c in configs.items()}
     assert windows["gemma2"] == [WINDOW, None, WINDOW]
     assert windows["gemma3_text"] == [WINDOW, WINDOW, None]
     assert windows["phi3"] == [12, 12]
     assert windows["smollm3"] == [None, WINDOW, None]
+    assert windows["mistral"] == [WINDOW, WINDOW]
     assert windows["granite"] == windows["olmo2"] == [None, None]
-    smollm3 = tiny_config("smollm3", **MODELS["smollm3"])
-    assert [FAMILIES["smollm3"].rope(smollm3, i) for i in range(3)] == ["default", None, "default"]
+    assert [FAMILIES["smollm3"].rope(configs["smollm3"], i) for i in range(3)] == ["default", None, "default"]
+    gemma3 = configs["gemma3_text"]
+    assert [FAMILIES["gemma3_text"].rope(gemma3, i) for i in range(3)] == gemma3.layer_types
 
 
 def test_a_gemma3_request_is_the_same_alone_in_a_batch_chunked_or_resumed(tmp_path):
