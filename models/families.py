@@ -25,7 +25,10 @@ norm and an LM head. A `Family` names what a model_type does differently, and no
   act(gate) * up over [n, 2I] = [gate | up].
 
 The activation is the config's (`hidden_activation` or `hidden_act`: silu or gelu_pytorch_tanh).
-`check(config)` refuses, naming the field, what the decoder does not implement.
+`check(config)` refuses, naming the field, what the decoder does not implement. A LongRoPE table
+(Phi-3's "su" scaling) is served with its short factors up to `original_max_position_embeddings`
+(`context_limit`): past that length transformers switches the whole sequence to its long factors,
+which keys already in a paged cache cannot follow.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import moe
 from .errors import ModelLoadError
 
 Scalar = Callable[[object], "float | None"]  # config -> a scalar, None where the family leaves it alone
@@ -143,6 +147,9 @@ FAMILIES: dict[str, Family] = {
                       attention_scale=attr("attention_multiplier"), logit_divisor=attr("logits_scaling")),
     "olmo2": Family(norm="fp32", layout="post", qk_norm="all"),
     "smollm3": Family(rope=rope_unless_nope),
+    # the MoE families (moe.py; checkpoints' per-expert weights fused by loading.py)
+    "qwen3_moe": Family(qk_norm="head", mlp=moe.qwen3_moe_mlp),
+    "mixtral": Family(mlp=moe.mixtral_mlp),
 }
 
 
@@ -164,10 +171,24 @@ def check(config, label) -> None:
     act = activation_of(config)
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"{label}: hidden_act {act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+    for table in _rope_tables(config):
+        if table.get("rope_type") == "dynamic":
+            raise ModelLoadError(f"{label}: rope_parameters.rope_type 'dynamic' is not supported "
+                                 "(its frequencies change with the sequence's length)")
+
+
+def _rope_tables(config) -> list[dict]:
     params = getattr(config, "rope_parameters", None) or {}
     tables = params.values() if family_of(config).rope is rope_by_layer_type else [params]
-    for table in tables:
-        rope_type = (table or {}).get("rope_type", "default")
-        if rope_type in ("longrope", "dynamic"):
-            raise ModelLoadError(f"{label}: rope_parameters.rope_type {rope_type!r} is not supported "
-                                 "(its frequencies change with the sequence's length)")
+    return [table or {} for table in tables]
+
+
+def context_limit(config) -> int | None:
+    """The longest sequence the model serves as transformers computes it: `max_position_embeddings`,
+    or a LongRoPE table's `original_max_position_embeddings` (its short factors) where smaller."""
+    limit = getattr(config, "max_position_embeddings", None)
+    for table in _rope_tables(config):
+        if table.get("rope_type") == "longrope":
+            original = table.get("original_max_position_embeddings") or limit
+            limit = original if limit is None else min(limit, original)
+    return limit

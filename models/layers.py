@@ -362,8 +362,9 @@ def _rope_parameters(config, key: str = "default") -> tuple[torch.Tensor, float]
         return 1.0 / (theta**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in ("dynamic", "longrope"):
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ModelLoadError(f"unsupported rope type {rope_type!r}")
     extra = {} if layer_type is None else {"layer_type": layer_type}
+    # (longrope: its short factors, as transformers up to original_max_position_embeddings: families.context_limit)
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
     return inv_freq.float(), float(scale)

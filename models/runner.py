@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, families
 from .batch import build_batch
 from .errors import ModelLoadError, NonFiniteLogits
 from .kv_cache import DEFAULT_BUDGET_BYTES, KVCache
@@ -136,7 +136,7 @@ class ModelRunner:
         self.eos_token_ids = model.eos_token_ids
         self.config = model.config
         self.weights_digest = weights_digest(model.state_dict)  # which weights serve (reported, compared)
-        self.max_context_len = getattr(model.config, "max_position_embeddings", None)
+        self.max_context_len = families.context_limit(model.config)
         upcast = self.device.type == "cpu" and not cpu_has_bf16()
         self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast,
                               kernel=None if self.cpu_kernel else False, invariant=deterministic,

@@ -220,14 +220,35 @@ def test_the_kernel_without_window_or_cap_is_the_op_it_was():
     torch.testing.assert_close(plain, paged_decode_attention(q, k_cache, v_cache, table, lens, 1, 0.125))
 
 
-def test_a_config_the_decoder_does_not_implement_is_refused_naming_the_field(tmp_path):
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
-    directory = save_tiny("phi3", tmp_path, rope_parameters=longrope)
-    with pytest.raises(ModelLoadError, match=r"rope_parameters.rope_type 'longrope'"):
-        load_model(directory)
-    config = tiny_config("olmo2", hidden_act="relu")
-    with pytest.raises(ModelLoadError, match="hidden_act 'relu'"):
-        from models.families import check
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [3.0, 5.0, 8.0, 16.0],
+            "original_max_position_embeddings": 64}
 
-        check(config, "tiny")
+
+def test_phi3_longrope_serves_its_short_factors_up_to_the_original_length(tmp_path, hf_greedy):
+    """Past `original_max_position_embeddings` transformers recomputes the whole sequence with the long
+    factors, which a paged cache cannot follow: tercet serves up to there, where both use the short ones
+    (and the attention factor of max / original)."""
+    directory = save_tiny("phi3", tmp_path, rope_parameters=LONGROPE, original_max_position_embeddings=64)
+    loaded = load_model(directory)
+    hf = hf_from(directory)
+    runner = ModelRunner(loaded, dtype=torch.float32, kv_budget_bytes=8 << 20)
+    assert runner.context_len == 64 and runner.model.ropes["default"][1] > 1.0
+    prompt = random_ids(random.Random(1), 30)
+    want = hf_greedy(hf, prompt, 16)
+    assert generate(runner, [prompt], 16) == [want]
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt + want])).logits[0].float().log_softmax(-1)
+    assert (teacher_forced(runner, prompt + want) - theirs).abs().max().item() < 2e-3
+
+
+def test_a_config_the_decoder_does_not_implement_is_refused_naming_the_field():
+    from models.families import check
+
+    dynamic = tiny_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ModelLoadError, match=r"rope_parameters.rope_type 'dynamic'"):
+        check(dynamic, "tiny")
+    with pytest.raises(ModelLoadError, match="hidden_act 'relu'"):
+        check(tiny_config("olmo2", hidden_act="relu"), "tiny")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        check(tiny_config("gpt2"), "tiny")
