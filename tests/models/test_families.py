@@ -5,7 +5,7 @@ peculiar layers matter at these lengths: sliding windows shorter than the sequen
 layers, soft-caps low enough to bend the scores, NoPE layers, partial rotary. tercet's teacher-forced
 logprobs are within 2e-3 of transformers' (eager attention, fp32) and its greedy tokens the same,
 through the C++ kernel (the default), the split-KV torch path (no kernels) and outside the
-deterministic mode (where windowed layers fall back to the split-KV path).
+deterministic mode, with and without the kernels (where windowed layers fall back to the split-KV path).
 """
 
 import logging
@@ -91,6 +91,7 @@ RUNNERS = {
     "kernel": (dict(), "kernel"),
     "split": (dict(kernels=False), "split"),
     "off": (dict(deterministic=False), "kernel-decode"),
+    "torch": (dict(deterministic=False, kernels=False), "torch"),
 }
 
 
@@ -138,7 +139,9 @@ def test_the_tiny_configs_exercise_what_each_family_changes():
 
 def test_a_gemma3_request_is_the_same_alone_in_a_batch_chunked_or_resumed(tmp_path):
     """The deterministic mode's properties (tests/models/test_determinism.py) for a family with sliding
-    windows, local rotary and q/k norms: through the C++ kernel, and through the split-KV torch path."""
+    windows, local rotary and q/k norms, in the server's dtype: alone vs beside others, chunked,
+    re-prefilled after a resume, through the C++ kernel and through the split-KV torch path; after a
+    prefix from the cache."""
     loaded = load_model(save_tiny("gemma3_text", tmp_path, seed=1))
     runner = ModelRunner(loaded, kv_budget_bytes=8 << 20)
     assert runner.deterministic and runner.attention in ("kernel", "split")
@@ -150,6 +153,16 @@ def test_a_gemma3_request_is_the_same_alone_in_a_batch_chunked_or_resumed(tmp_pa
     split = ModelRunner(loaded, kv_budget_bytes=8 << 20, kernels=False)
     assert split.attention == "split"
     assert all(_properties_hold(split, random.Random(11)))
+    # a prefix taken from the cache (another request's pages), on 16-token pages, chunked, in company
+    paged = ModelRunner(loaded, kv_budget_bytes=8 << 20, page_size=16)
+    prompt = random_ids(rnd, 50)
+    logits, ids, logprobs = run(paged, prompt, 6)
+    donor = prompt[:32] + random_ids(rnd, 5)
+    donor_pages = paged.kv.allocate(3)
+    paged.step([SeqInput(donor, donor_pages)])
+    own = paged.kv.allocate(paged.kv.pages_for(len(prompt) + 6) - 2)
+    got = run(paged, prompt, 6, pages=donor_pages[:2] + own, cached=32, chunk=7, others=7, rnd=rnd)
+    assert_same(got, (logits[32:], ids, logprobs))
 
 
 def test_a_windowed_layer_outside_the_kernel_logs_its_fallback_once(tmp_path, caplog):
