@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from .errors import ModelLoadError
 from .families import FAMILIES, check
+from .moe import fuse_experts
 from .private_cache import CacheNotPrivate, drop_write_bits, private_dir, why_untrusted_tree
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ def _load_hf_dir(directory: Path, label: str) -> LoadedModel:
     state_dict: dict[str, torch.Tensor] = {}
     for shard in tqdm(shards, desc=f"load {directory.name}", unit="shard", leave=False):
         state_dict.update(load_file(shard))
+    state_dict = fuse_experts(state_dict)  # MoE checkpoints' experts as transformers holds them
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:

@@ -124,6 +124,19 @@ def sparse_moe(get: Callable[[str], torch.Tensor], prefix: str, config, linear: 
                      round_weights, act)
 
 
+def qwen3_moe_mlp(get, prefix: str, config, layer: int, linear, act) -> SparseMoE | None:
+    """Qwen3-MoE's MLP of `layer` (families.py's `mlp` hook): experts where `is_sparse`, weights
+    renormalised over the top k with `norm_topk_prob` and rounded to the model dtype; None: dense."""
+    if not is_sparse(config, layer):
+        return None
+    return sparse_moe(get, prefix, config, linear, act, normalize=config.norm_topk_prob, round_weights=True)
+
+
+def mixtral_mlp(get, prefix: str, config, layer: int, linear, act) -> SparseMoE:
+    """Mixtral's MLP (every layer): the top k's weights renormalised, kept in fp32."""
+    return sparse_moe(get, prefix, config, linear, act, normalize=True, round_weights=False)
+
+
 # one expert's weight as checkpoints keep it: Qwen3-MoE's names, and Mixtral's under block_sparse_moe
 _EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
                      r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")

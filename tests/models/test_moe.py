@@ -8,6 +8,8 @@
 - checkpoints' per-expert weights fused as transformers holds them.
 """
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,8 @@ from transformers import AutoConfig
 from models import cpu_kernels, invariant, probes
 from models.moe import SparseMoE, fuse_experts, is_sparse, sparse_moe
 from models.projections import Linear
+from models.runner import SeqInput
+from tests.models.test_determinism import assert_same, make_runner, pin, random_ids, run  # noqa: F401 (pin: a fixture)
 
 CPU = torch.device("cpu")
 HIDDEN, EXPERT_WIDTH, EXPERTS, TOP_K = 64, 32, 8, 2
@@ -189,3 +193,136 @@ def test_qwen3_moe_dense_layers_are_its_mlp_only_layers_and_those_off_its_sparse
     config = moe_config("qwen3_moe", num_hidden_layers=6, mlp_only_layers=[3], decoder_sparse_step=2)
     assert [is_sparse(config, i) for i in range(6)] == [False, True, False, False, False, True]
     assert all(is_sparse(moe_config("mixtral"), i) for i in range(2))
+
+
+# -- whole models, loaded from what transformers saves -------------------------------------------------
+
+# small enough for seconds; random weights of std 0.15, so greedy tokens are far from ties
+MODELS = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, head_dim=16,
+                      num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, intermediate_size=32, num_hidden_layers=2, sliding_window=None),
+}
+STD = 0.15
+
+
+def save_tiny_moe(model_type, directory, seed=0):
+    """A random model of `model_type` as transformers saves it (safetensors, per-expert weights),
+    with SmolLM2's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from models.loading import load_tokenizer, tiny_config
+
+    config = tiny_config(model_type, num_experts_per_tok=2, **MODELS[model_type])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, STD)
+    model.save_pretrained(directory)
+    load_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def moe_dir(request, tmp_path_factory):
+    return save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def hf_from(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_a_saved_model_gives_transformers_logprobs_and_greedy_tokens(moe_dir, hf_greedy):
+    from models.loading import load_model
+    from models.runner import ModelRunner, SeqInput, generate
+
+    loaded = load_model(moe_dir)
+    hf = hf_from(moe_dir)
+    runner = ModelRunner(loaded, dtype=torch.float32, kv_budget_bytes=8 << 20)
+    rnd = random.Random(0)
+    for n in (5, 23):
+        prompt = [rnd.randrange(3, 49000) for _ in range(n)]
+        want = hf_greedy(hf, prompt, 16)
+        assert len(want) == 16  # (the random model has no reason to stop)
+        assert generate(runner, [prompt], 16) == [want]
+        tokens = prompt + want  # teacher-forced: every position's logprobs
+        pages = runner.kv.allocate(runner.kv.pages_for(len(tokens)))
+        ours = runner.logits([SeqInput(tokens, pages, sample=False)], [0])[0].log_softmax(-1)
+        runner.kv.free(pages)
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+        assert (ours - theirs).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_saved_model_runs_in_the_deterministic_mode_by_default(moe_dir, dtype):
+    from models.loading import load_model
+    from models.runner import ModelRunner
+
+    loaded = load_model(moe_dir)
+    runner = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=8 << 20)
+    sparse = [i for i, layer in enumerate(runner.model.layers) if isinstance(layer.mlp, SparseMoE)]
+    assert sparse == [i for i in range(loaded.config.num_hidden_layers) if is_sparse(loaded.config, i)]
+    assert sparse != [] and (loaded.config.model_type != "qwen3_moe" or len(sparse) < len(runner.model.layers))
+    experts = [lin for i in sparse for lin in runner.model.layers[i].mlp.projections()]
+    assert len(experts) == len(sparse) * (1 + 2 * 8)  # the router, each expert's gate/up and down
+    projections = runner.model.projections()
+    assert runner.deterministic and all(any(lin is p for p in projections) for lin in experts)
+    assert sum(runner.model.invariant_paths.values()) == len(projections)  # experts made invariant too
+
+
+# -- the deterministic mode's properties on an MoE model (tests/models/test_determinism.py's) ----------
+
+MODE_PATHS = [
+    pytest.param(torch.float32, "kernel", id="fp32-kernel"),
+    pytest.param(torch.bfloat16, "kernel", id="bf16-kernel"),
+    pytest.param(torch.bfloat16, "tiles", id="bf16-tiles"),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """Qwen3-MoE with a dense layer among its sparse ones (`mlp_only_layers`)."""
+    from models.loading import load_model
+
+    return load_model(save_tiny_moe("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=1))
+
+
+@pytest.mark.parametrize("dtype,path", MODE_PATHS)
+@pytest.mark.parametrize("others", [1, 7, 63])
+def test_moe_a_batch_around_a_sequence_does_not_change_it(qwen3_moe, pin, dtype, path, others):
+    runner = make_runner(pin(dtype, path, qwen3_moe), dtype, path)
+    rnd = random.Random(others)
+    prompt = random_ids(rnd, 21)
+    assert_same(run(runner, prompt, 5, others=others, rnd=rnd), run(runner, prompt, 5))
+
+
+@pytest.mark.parametrize("dtype,path", MODE_PATHS)
+def test_moe_a_cached_prefix_and_chunked_prefill_give_what_one_prefill_gives(qwen3_moe, pin, dtype, path):
+    runner = make_runner(pin(dtype, path, qwen3_moe), dtype, path, page_size=16)
+    rnd = random.Random(2)
+    prompt = random_ids(rnd, 40)
+    logits, ids, logprobs = whole = run(runner, prompt, 4)
+    for chunk in (1, 7, 64):
+        assert_same(run(runner, prompt, 4, chunk=chunk), whole)
+    donor_pages = runner.kv.allocate(3)  # another request filled the first 32 tokens' pages
+    runner.step([SeqInput(prompt[:32] + random_ids(rnd, 9), donor_pages)])
+    own = runner.kv.allocate(runner.kv.pages_for(len(prompt) + 4) - 2)
+    got = run(runner, prompt, 4, pages=donor_pages[:2] + own, cached=32, chunk=7, others=3, rnd=rnd)
+    assert_same(got, (logits[32:], ids, logprobs))
+    runner.kv.free(donor_pages)
+    runner.kv.free(own)
+
+
+@pytest.mark.parametrize("dtype,path", MODE_PATHS)
+def test_moe_re_prefilling_generated_tokens_gives_what_decoding_gave(qwen3_moe, pin, dtype, path):
+    runner = make_runner(pin(dtype, path, qwen3_moe), dtype, path)
+    prompt = random_ids(random.Random(4), 13)
+    logits, ids, logprobs = run(runner, prompt, 8)
+    for k in (1, 4, 7):  # a restart after k generated tokens: prefill prompt + ids[:k]
+        assert_same(run(runner, prompt + ids[:k], 8 - k), (logits, ids[k:], logprobs[k:]))

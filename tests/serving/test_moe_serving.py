@@ -1,0 +1,49 @@
+"""An MoE model (Qwen3-MoE, from a directory transformers saved) served by the real server: a
+kill -9 of the scheduler while requests stream changes no request's text."""
+
+import httpx
+import pytest
+import trio
+
+from ..models.test_moe import save_tiny_moe
+from .test_http import start_server
+from .test_recovery import RECOVERY, assert_clean, assert_drained, kill_scheduler_repeatedly, requests_for, run_all
+
+pytestmark = pytest.mark.slow  # kills and restarts a real child process
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    return save_tiny_moe("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+def fault_free(directory, bodies):
+    """What a fault-free server answers: the runner's greedy output, decoded as the detokenizer does
+    (in float32 a request's greedy tokens do not depend on its batch: the deterministic mode)."""
+    import torch
+
+    from models.loading import load_model
+    from models.runner import ModelRunner, generate
+
+    loaded = load_model(directory)
+    runner = ModelRunner(loaded, dtype=torch.float32, kv_budget_bytes=32 << 20)
+    answers = generate(runner, [body["input_ids"] for body in bodies], bodies[0]["sampling_params"]["max_new_tokens"])
+    return {body["rid"]: (loaded.tokenizer.decode(ids, skip_special_tokens=True), ids)
+            for body, ids in zip(bodies, answers)}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_kill_9_the_scheduler_of_an_moe_model_mid_stream(nursery, qwen3_moe_dir, stream):
+    bodies = requests_for(5, n=8)
+    expected = fault_free(qwen3_moe_dir, bodies)
+    url, app = await start_server(nursery, "default", **RECOVERY, **{"model.path": str(qwen3_moe_dir)})
+    texts = {}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(run_all, client, bodies, stream, texts)
+            kills = await kill_scheduler_repeatedly(app, client, bodies, texts, kills=2)
+        info = (await client.get("/server_info")).json()
+    assert kills == 2 and info["restarts"]["scheduler"] == kills
+    assert texts == expected
+    assert_clean(app)
+    assert_drained(info)
