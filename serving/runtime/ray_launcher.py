@@ -11,7 +11,9 @@ one, which Ray places on any node with the resources.
 
 tercet's transports stay the data plane (no Ray object store on the token
 path) and tercet's supervision the authority: ``RayReplica``, a supervisor
-child per replica in the front end, starts the actor, reports its death at
+child per replica under the front end's ``ray-replicas`` supervisor (its own
+restart intensity: a Ray replica's failures never count against the front
+end's), starts the actor, reports its death at
 once (the replica is down: its requests move to the others) and the
 addresses of each new incarnation (watched as any remote replica, it
 rejoins when it answers). Any error of Ray's starting or watching an actor
@@ -37,7 +39,7 @@ import ray
 import trio
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from actors import ChildSpec
+from actors import Backoff, ChildSpec, Supervisor
 
 from .replicas import run_replica
 from .topology import Topology
@@ -134,18 +136,27 @@ class RayReplica:
         self._stopping = trio.Event()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        await trio.to_thread.run_sync(_connect, self.topology.server.ray_address)
         task_status.started(self)
         delay = RETRY_S
         try:
             while not self._stopping.is_set():
-                served = await self._incarnation()
+                served = await self._connected() and await self._incarnation()
                 delay = RETRY_S if served else min(2 * delay, RETRY_MAX_S)
                 with trio.move_on_after(delay):
                     await self._stopping.wait()
         finally:
             with trio.CancelScope(shield=True):
                 await self._kill()
+
+    async def _connected(self) -> bool:
+        """Whether this process is connected to the Ray cluster (a cluster that cannot be reached is
+        this replica's failure: it is down, and tried again after the back-off)."""
+        try:
+            await trio.to_thread.run_sync(_connect, self.topology.server.ray_address)
+        except Exception as exc:  # noqa: BLE001 - ConnectionError, a version mismatch, ...: any
+            self.on_lost(self.index, f"replica {self.index}: the Ray cluster cannot be reached: {_cause(exc)}")
+            return False
+        return True
 
     async def _incarnation(self) -> bool:
         """One actor: made, started, watched to its end, killed. Whether it served."""
@@ -215,8 +226,14 @@ def _cause(exc: BaseException) -> str:
 
 def ray_specs(topology: Topology, on_started: Callable[[int, dict[str, str]], None],
               on_lost: Callable[[int, str], None]) -> list[ChildSpec]:
-    """A supervisor child for each remote replica of ``topology``."""
+    """One supervisor child, ``ray-replicas``: a supervisor of its own over a ``RayReplica`` for each
+    remote replica of ``topology`` (``ray-replica-i``), so that however a Ray replica fails, its
+    restarts count against its own supervisor's intensity, not the front end's."""
     grace = topology.supervision.shutdown_grace
-    return [ChildSpec(f"ray-replica-{i}", lambda i=i: RayReplica(topology, i, on_started, on_lost),
-                      shutdown=2 * grace + 5)
-            for i, r in enumerate(topology.replica_placements()) if r.scheduler.process == "remote"]
+    specs = [ChildSpec(f"ray-replica-{i}", lambda i=i: RayReplica(topology, i, on_started, on_lost),
+                       shutdown=2 * grace + 5)
+             for i, r in enumerate(topology.replica_placements()) if r.scheduler.process == "remote"]
+    s = topology.supervision
+    return [ChildSpec("ray-replicas", lambda: Supervisor("ray-replicas", specs, max_restarts=s.max_restarts,
+                                                         within=s.within, backoff=Backoff(1.0, 2.0, RETRY_MAX_S)),
+                      shutdown=2 * grace + 10)]

@@ -65,7 +65,7 @@ async def test_replicas_on_two_ray_nodes_and_a_node_removed_mid_stream(nursery, 
             while tm.up != [True, True]:
                 await trio.sleep(0.05)
         nodes = {node.node_id: node for node in cluster.list_all_nodes()}
-        actor = runtime.supervisor.child("ray-replica-1").actor
+        actor = runtime.supervisor.child("ray-replicas").child("ray-replica-1").actor
         on_b = ray.get(actor.start.remote())["node"]  # (slot_b: the added node)
         assert on_b in nodes and nodes[on_b] is not cluster.head_node
 

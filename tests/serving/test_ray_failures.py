@@ -72,8 +72,16 @@ class FakeRay:
         self.events = []
         self.options = []
 
+    unreachable = 0  # so many ``init`` calls fail first (a cluster that cannot be reached)
+
     def is_initialized(self):
-        return True
+        return False
+
+    def init(self, **options):
+        if self.unreachable > 0:
+            self.unreachable -= 1
+            self.events.append(("unreachable",))  # (in a worker thread: no trio clock here)
+            raise ConnectionError("Could not find any running Ray instance")
 
     def remote(self, cls):
         fake = self
@@ -112,9 +120,10 @@ def topology(tmp_path):
     return load_topology(path)
 
 
-async def run_script(monkeypatch, topology, scripts, *, until):
+async def run_script(monkeypatch, topology, scripts, *, until, unreachable=0):
     """Run replica 0 on ``scripts`` (one per actor) until ``until(events)``, then stop the front end."""
     fake = FakeRay(scripts)
+    fake.unreachable = unreachable
     monkeypatch.setattr(ray_launcher, "ray", fake)
     done = trio.Event()
 
@@ -124,7 +133,7 @@ async def run_script(monkeypatch, topology, scripts, *, until):
             done.set()
 
     def on_lost(index, cause):
-        fake.events.append(("lost", index, cause))
+        fake.events.append(("lost", index, cause, trio.current_time()))
         if until(fake.events):
             done.set()
 
@@ -200,3 +209,26 @@ async def test_stop_ends_the_replica_and_kills_its_actor(monkeypatch, topology):
     # run returned by itself (nothing cancelled it); the one actor was asked to stop, then killed
     assert [e[:2] for e in fake.events] == [("new", 0), ("kill", 0), ("kill", 0)]
     assert replica.actor is None and len(fake.actors) == 1
+
+
+async def test_a_cluster_that_cannot_be_reached_is_the_replicas_failure(monkeypatch, topology, autojump_clock):
+    fake = await run_script(monkeypatch, topology, [(None, "until killed")], until=count("started", 1), unreachable=3)
+    kinds = [event[0] for event in fake.events]
+    assert kinds == ["unreachable", "lost", "unreachable", "lost", "unreachable", "lost", "new", "started", "kill"]
+    lost = [event[2] for event in fake.events if event[0] == "lost"]
+    assert lost[0] == "replica 0: the Ray cluster cannot be reached: ConnectionError: Could not find any running " \
+        "Ray instance"
+    tries = [event[3] for event in fake.events if event[0] == "lost"]
+    assert [round(b - a, 6) for a, b in zip(tries, tries[1:])] == [2.0, 4.0]  # backing off, as failed starts do
+
+
+def test_the_ray_replicas_have_a_supervisor_of_their_own(topology):
+    from actors import Supervisor
+
+    from serving.runtime.ray_launcher import ray_specs
+
+    (spec,) = ray_specs(topology, lambda *a: None, lambda *a: None)
+    supervisor = spec.start()
+    assert spec.name == "ray-replicas" and isinstance(supervisor, Supervisor)
+    assert [child.name for child in supervisor.specs] == ["ray-replica-0"]
+    assert supervisor.max_restarts == topology.supervision.max_restarts
