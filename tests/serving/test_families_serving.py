@@ -3,11 +3,10 @@ the real server: a kill -9 of the scheduler while requests stream changes no req
 
 import httpx
 import pytest
-import trio
 
 from ..models.test_families import save_tiny
 from .test_http import start_server
-from .test_recovery import RECOVERY, assert_clean, assert_drained, kill_scheduler_repeatedly, requests_for, run_all
+from .test_recovery import RECOVERY, assert_clean, assert_drained, requests_for, run_through_kills
 
 pytestmark = pytest.mark.slow  # kills and restarts a real child process
 
@@ -37,13 +36,10 @@ async def test_kill_9_the_scheduler_of_a_gemma3_model_mid_stream(nursery, gemma3
     bodies = requests_for(7, n=8)  # prompts of 4-40 tokens and 96 new ones: far past the window of 8
     expected = fault_free(gemma3_dir, bodies)
     url, app = await start_server(nursery, "default", **RECOVERY, **{"model.path": str(gemma3_dir)})
-    texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        async with trio.open_nursery() as inner:
-            inner.start_soon(run_all, client, bodies, stream, texts)
-            kills = await kill_scheduler_repeatedly(app, client, bodies, texts, kills=2)
+        kills, rounds = await run_through_kills(app, client, bodies, stream, kills=2)
         info = (await client.get("/server_info")).json()
     assert kills == 2 and info["restarts"]["scheduler"] == kills
-    assert texts == expected
+    assert all(texts == expected for texts in rounds)
     assert_clean(app)
     assert_drained(info)

@@ -3,11 +3,10 @@ kill -9 of the scheduler while requests stream changes no request's text."""
 
 import httpx
 import pytest
-import trio
 
 from ..models.test_moe import save_tiny_moe
 from .test_http import start_server
-from .test_recovery import RECOVERY, assert_clean, assert_drained, kill_scheduler_repeatedly, requests_for, run_all
+from .test_recovery import RECOVERY, assert_clean, assert_drained, requests_for, run_through_kills
 
 pytestmark = pytest.mark.slow  # kills and restarts a real child process
 
@@ -37,13 +36,10 @@ async def test_kill_9_the_scheduler_of_an_moe_model_mid_stream(nursery, qwen3_mo
     bodies = requests_for(5, n=8)
     expected = fault_free(qwen3_moe_dir, bodies)
     url, app = await start_server(nursery, "default", **RECOVERY, **{"model.path": str(qwen3_moe_dir)})
-    texts = {}
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        async with trio.open_nursery() as inner:
-            inner.start_soon(run_all, client, bodies, stream, texts)
-            kills = await kill_scheduler_repeatedly(app, client, bodies, texts, kills=2)
+        kills, rounds = await run_through_kills(app, client, bodies, stream, kills=2)
         info = (await client.get("/server_info")).json()
     assert kills == 2 and info["restarts"]["scheduler"] == kills
-    assert texts == expected
+    assert all(texts == expected for texts in rounds)
     assert_clean(app)
     assert_drained(info)
