@@ -12,6 +12,12 @@ mode off (`deterministic=False`: prefill attention through SDPA, oneDNN's one-ro
 kernel), and the mode on the torch path (no C++ kernels: split-KV attention and
 fixed row tiles, what the mode cost before the kernels took it). `--smoke` uses
 the tiny random model and finishes in seconds.
+
+Beside each row, its speed of light (`roofline.py`): the machine's read bandwidth
+and GEMM peak, measured first, against the bytes and FLOPs per token of the model
+as the runner holds it, K/V read at the mean context of the decode (prompt +
+half the new tokens), the prompt's FLOPs spread over the new tokens: the
+bandwidth bound, the compute bound, which one binds and the result as a % of it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 
 import torch
 
+from benchmarks import roofline
 from models.kv_cache import DEFAULT_BUDGET_BYTES
 from models.loading import load_model, tiny_model, to_transformers
 from models.runner import ModelRunner, SeqInput, default_dtype, generate
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
     if args.dtype == "auto":
         args.dtype = {v: k for k, v in DTYPES.items()}[default_dtype(torch.device("cpu"))]
     dtype = DTYPES[args.dtype]
+    machine = roofline.measure_machine(smoke=args.smoke)  # first, on a quiet process
     loaded = tiny_model() if args.smoke else load_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     budget = kv_budget(loaded.config, dtype, max(max(batches) * (args.prompt_len + args.new_tokens), args.prefill_len))
@@ -103,20 +111,25 @@ def main(argv=None) -> int:
         others["off"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=False)
         others["torch"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=True,
                                       kernels=False)
+    costs = roofline.model_costs(runner, args.prompt_len + args.new_tokens // 2)
+    print(machine.describe(), costs.describe(), sep="\n", file=sys.stderr)
     hf = to_transformers(loaded, dtype)
     for r in (runner, *others.values()):  # warm up
         tercet_tok_s(r, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)
     hf_tok_s(hf, prompts_for(loaded.tokenizer, 2, args.prompt_len), 4)
     rows = []
     head = "".join(f" {name + ' tok/s':>12} {name + '/dflt':>10}" for name in others)
-    print(f"{'batch':>5} {'tercet tok/s':>13} {'hf tok/s':>10} {'ratio':>6}{head}", file=sys.stderr)
+    print(f"{'batch':>5} {'tercet tok/s':>13} {'hf tok/s':>10} {'ratio':>6}{roofline.BOUND_HEAD}{head}",
+          file=sys.stderr)
     for batch in batches:
         prompts = prompts_for(loaded.tokenizer, batch, args.prompt_len)
         ours = tercet_tok_s(runner, prompts, args.new_tokens)
         theirs = hf_tok_s(hf, prompts, args.new_tokens)
         row = {"batch": batch, "tercet_tok_s": round(ours, 1), "hf_tok_s": round(theirs, 1),
                "ratio": round(ours / theirs, 2)}
-        line = f"{batch:>5} {ours:>13.1f} {theirs:>10.1f} {ours / theirs:>6.2f}"
+        bound = roofline.bound_row(ours, costs, machine, batch, args.prompt_len, args.new_tokens)
+        row["bounds"] = bound
+        line = f"{batch:>5} {ours:>13.1f} {theirs:>10.1f} {ours / theirs:>6.2f}{roofline.bound_cells(bound)}"
         for name, other in others.items():
             got = tercet_tok_s(other, prompts, args.new_tokens)
             row |= {f"{name}_tok_s": round(got, 1), f"{name}_ratio": round(got / ours, 2)}
@@ -128,7 +141,8 @@ def main(argv=None) -> int:
     result = {"rows": rows, "prefill_tok_s": round(prefill, 1), "prefill_len": args.prefill_len,
               "new_tokens": args.new_tokens, "dtype": args.dtype, "model": loaded.source,
               "threads": torch.get_num_threads(), "deterministic": runner.deterministic,
-              "invariance": runner.invariance()}
+              "invariance": runner.invariance(), "prompt_len": args.prompt_len,
+              "roofline": roofline.report(machine, costs)}
     for name, other in others.items():
         got = prefill_tok_s(other, args.prefill_len)
         result[f"{name}_prefill_tok_s"] = round(got, 1)

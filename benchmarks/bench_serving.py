@@ -31,6 +31,16 @@ server under test; this reader halves that. SSE is split by hand and decoded
 with msgspec. Each run reports the client's own CPU seconds
 (``client_cpu_s``): the share of a small machine the load generator took.
 Each run in a sweep draws fresh prompts (a prefix cache gets no free hits).
+
+Before the sweep (the server idle), the speed of light (``roofline.py``): this
+machine's read bandwidth and GEMM peak, and the bytes and FLOPs per token of the
+model as tercet's runner holds it (``--roofline-model``, default the embedded
+SmolLM2; the tiny model with ``--smoke``; ``--roofline-dtype`` as the server's),
+K/V read at the mean context (input + half the output). Each run's output tok/s
+then stands beside its bandwidth bound (concurrency sequences per step) and
+compute bound (the prompt's FLOPs spread over the output tokens), which binds,
+and its % of that. A peer that stores its weights otherwise (llama.cpp's Q4_1)
+has other bytes: its % is against tercet's bound. ``--no-roofline`` skips it.
 """
 
 from __future__ import annotations
@@ -486,8 +496,14 @@ def print_table(report: dict) -> None:
     head = f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'tot tok/s':>9} "
     print(f"model {report['args']['model']}  input {report['args']['input_len']}  "
           f"output {report['args']['output_len']}  rate {report['args']['request_rate']}")
+    bounds = "roofline" in report
+    if bounds:
+        from benchmarks import roofline
+
+        print(report["roofline"]["describe"])
     print(" " * len(head) + groups)
-    print(head + "".join(f"{'mean':>9}{'p50':>9}{'p99':>9}" for _ in METRICS))
+    print(head + "".join(f"{'mean':>9}{'p50':>9}{'p99':>9}" for _ in METRICS)
+          + (roofline.BOUND_HEAD if bounds else ""))
     for run in report["runs"]:
         if run.get("constrained"):
             ratio = run.get("throughput_ratio_to_free")
@@ -499,6 +515,8 @@ def print_table(report: dict) -> None:
         for m in METRICS:
             s = run[f"{m}_ms"]
             line += num(s["mean"], 9, 2) + num(s["p50"], 9, 2) + num(s["p99"], 9, 2)
+        if bounds:
+            line += roofline.bound_cells(run["bounds"])
         print(line)
         if report["args"].get("system_prompts"):
             print(f"      prefix cache hit rate: {num(run['cache_hit_rate'], 5, 3)} "
@@ -575,6 +593,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "output token counts")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny sweep; against an in-process stub unless --base-url is given")
+    p.add_argument("--roofline-model", metavar="PATH",
+                   help="the model whose bytes and FLOPs per token bound the runs (default: the embedded "
+                   "SmolLM2; with --smoke the tiny random model)")
+    p.add_argument("--roofline-dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the dtype the server runs (auto: what tercet picks on this CPU)")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="no machine figures and bounds (e.g. a model tercet cannot load)")
     args = p.parse_args(argv)
     small = args.smoke
     for name, normal, smoke in (("input_len", 1024, 32), ("output_len", 128, 16),
@@ -605,12 +630,43 @@ async def main_async(args) -> dict:
     return report
 
 
+def speed_of_light(args):
+    """This machine's figures and the model's costs per token (`roofline.py`), measured before the sweep."""
+    import torch
+
+    from benchmarks import roofline
+
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.roofline_dtype]
+    machine = roofline.measure_machine(smoke=args.smoke)
+    costs = roofline.load_costs(args.roofline_model, args.input_len + args.output_len // 2,
+                                tiny=args.smoke and not args.roofline_model, dtype=dtype)
+    return machine, costs
+
+
+def add_bounds(report: dict, machine, costs) -> None:
+    """Each run's output tok/s beside its bounds (run["bounds"]), the figures under report["roofline"]."""
+    from benchmarks import roofline
+
+    report["roofline"] = {**roofline.report(machine, costs),
+                          "describe": f"{machine.describe()}\n{costs.describe()}"}
+    for run in report["runs"]:
+        prompt = run["total_input_tokens"] / run["completed"] if run["completed"] else report["args"]["input_len"]
+        batch = max(1, min(run["max_concurrency"] or run["num_prompts"], run["num_prompts"]))
+        run["bounds"] = roofline.bound_row(run["output_throughput"], costs, machine, batch,
+                                           round(prompt), report["args"]["output_len"])
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    bounds = speed_of_light(args) if args.roofline else None
     report = trio.run(main_async, args)
+    if bounds is not None:
+        add_bounds(report, *bounds)
     print_table(report)
     if args.json:
         out = report if len(report["runs"]) > 1 else {**report["runs"][0], "args": report["args"]}
+        if "roofline" in report:
+            out["roofline"] = report["roofline"]
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
         plot(report, args.plot)

@@ -38,6 +38,12 @@ def test_bench_serving_smoke(tmp_path):
             assert run[metric].keys() == STATS
             assert run[metric]["p99"] >= run[metric]["p50"] > 0, (metric, run[metric])
         assert run["e2e_ms"]["p50"] > run["ttft_ms"]["p50"]
+    # beside its speed of light: the machine's figures and the tiny model's costs, measured before the sweep
+    assert "GB/s" in proc.stdout and "bw bound" in proc.stdout and "% bound" in proc.stdout
+    assert report["roofline"]["machine"]["bandwidth"] > 0 and report["roofline"]["costs"]["weight_bytes"] > 0
+    assert report["roofline"]["costs"]["context_tokens"] == report["args"]["input_len"] + report["args"]["output_len"] // 2
+    for run in runs:
+        assert run["bounds"]["batch"] == run["max_concurrency"] and run["bounds"]["pct_of_bound"] > 0
     assert png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

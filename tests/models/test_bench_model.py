@@ -24,3 +24,14 @@ def test_bench_model_smoke_writes_its_json(tmp_path):
     assert result["prefill_tok_s"] > 0 and result["off_prefill_tok_s"] > 0 and result["torch_prefill_tok_s"] > 0
     assert result["deterministic"] is True  # the default
     assert "ratio" in run.stderr and "off/dflt" in run.stderr
+    # beside its speed of light (benchmarks/roofline.py, small sizes in the smoke run)
+    assert "GB/s" in run.stderr and "bw bound" in run.stderr and "% bound" in run.stderr
+    machine, costs = result["roofline"]["machine"], result["roofline"]["costs"]
+    assert machine["bandwidth"] > 0 and machine["gemm_peak"]["fp32"] > 0
+    assert costs["weight_bytes"] > 0 and costs["flops"] > 2 * costs["params"] > 0
+    assert costs["context_tokens"] == result["prompt_len"] + result["new_tokens"] // 2
+    for row in result["rows"]:
+        bounds = row["bounds"]
+        assert bounds["batch"] == row["batch"] and bounds["binds"] in ("bandwidth", "compute")
+        assert bounds["bandwidth_bound_tok_s"] > 0 and bounds["compute_bound_tok_s"] > 0
+        assert bounds["pct_of_bound"] == max(bounds["pct_of_bandwidth_bound"], bounds["pct_of_compute_bound"]) > 0
