@@ -12,7 +12,8 @@
 - `pack_linear_weight` / `packed_linear`: fp32 projections (AVX-512 or AVX2 + FMA, the same bits)
   over weights packed at load (`projections.Linear(kernel=True)`, where `probes.kernel_pays`), batch-invariant;
 - `pack_block_codes` / `block_linear`: the same products for weights that are exactly GGUF
-  block codes (Q4_1, Q8_0 dequantized at load), kept as int8 codes: a third of the bytes read;
+  block codes (Q4_1, Q4_0, Q8_0 dequantized at load), kept as GGUF keeps them (4-bit codes two a
+  byte, Q8_0's one a byte, fp16 d and m): Q4_1 reads 0.625 bytes a weight, a sixth of the panels';
 - `pack_bf16_weight` / `bf16_linear`: bf16 projections with AVX512_BF16's vdpbf16ps (CPUs that have
   it, `bf16_linear_available`), fp32 sums, batch-invariant.
 
@@ -234,15 +235,18 @@ def packed_linear_available() -> bool:
     return load() and torch.ops.tercet.packed_linear_available()
 
 
-def pack_block_codes(weight):
-    """fp32 W [N, K] -> [codes int8 [P, K, 16], scales [P, K/32, 16], offsets [P, K/32, 16]] where
-    every block of 32 weights of a row is exactly float(code) * scale + offset (a weight dequantized
-    from GGUF's Q4_1 or Q8_0), else [] (see csrc/gemm.cpp)."""
-    return torch.ops.tercet.pack_block_codes(weight)
+def pack_block_codes(weight, compact: bool = True):
+    """fp32 W [N, K] -> [codes [P, K / per byte, 16], scales [P, K/32, 16], offsets [P, K/32, 16]]
+    where every block of 32 weights of a row is exactly float(code) * scale + offset (a weight
+    dequantized from GGUF's Q4_1, Q4_0 or Q8_0), else [] (see csrc/gemm.cpp). Codes: two a byte
+    where all fit 4 bits (uint8 0..15, int8 -8..7), else int8; scales and offsets fp16 where all are
+    exactly fp16, else fp32. `compact=False`: int8 codes, fp32 scales (the layout before nibbles)."""
+    return torch.ops.tercet.pack_block_codes(weight, compact)
 
 
 def block_linear(x, codes, scales, offsets, out_features: int, bias=None):
-    """`packed_linear` over weights kept as block codes: the same bits, 3.2x fewer bytes read."""
+    """`packed_linear` over weights kept as block codes (any layout of `pack_block_codes`): the same
+    bits, 6.4x fewer bytes read for Q4_1."""
     return torch.ops.tercet.block_linear(x, codes, scales, offsets, out_features, bias)
 
 

@@ -4,8 +4,9 @@
 - `PackedLinear`: W reordered once for oneDNN (`PACK_ROWS`-row products), optionally the plain W
   kept too for products of `DENSE_ROWS` rows or more;
 - `PanelLinear`: tercet's fp32 kernel's panels (`cpu_kernels.packed_linear`);
-- `BlockCodeLinear`: the same kernel over a W that is exactly GGUF block codes, kept as int8 codes
-  with per-block d and m (`cpu_kernels.block_linear`): the panels' bits, a third of the bytes;
+- `BlockCodeLinear`: the same kernel over a W that is exactly GGUF block codes, kept as GGUF keeps
+  them (4-bit codes two a byte, fp16 d and m per block, `cpu_kernels.block_linear`): the panels'
+  bits, a sixth of the bytes for Q4_1;
 - `Bf16PanelLinear`: tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`).
 
 `Linear(...)` picks the class. Which storage pays on a machine is timed at start-up in
@@ -27,6 +28,7 @@ from . import cpu_kernels, invariant
 
 PACK_ROWS = 128  # the batch size oneDNN lays prepacked weights out for
 DENSE_ROWS = 512  # from here on a PackedLinear with its plain W multiplies through F.linear
+BLOCK = 32  # weights of a row per GGUF block (BlockCodeLinear)
 
 
 class Projection:
@@ -124,13 +126,14 @@ class BlockCodeLinear(Projection):
     invariant_by_itself = True
 
     def __init__(self, codes: list[torch.Tensor], out_features: int, bias: torch.Tensor | None = None) -> None:
-        super().__init__((out_features, codes[0].shape[1]), bias)
+        super().__init__((out_features, codes[1].shape[1] * BLOCK), bias)
         self.codes = codes
 
     def dense(self) -> torch.Tensor:
         codes, scales, offsets = self.codes  # w = float(q) * d + m per block of 32 k
-        panels = (codes.float().unflatten(1, (scales.shape[1], -1)) * scales[:, :, None]
-                  + offsets[:, :, None]).flatten(1, 2)
+        q = _unpack_codes(codes, self.shape[1]).float()
+        panels = (q.unflatten(1, (scales.shape[1], -1)) * scales.float()[:, :, None]
+                  + offsets.float()[:, :, None]).flatten(1, 2)
         return _unpanel(panels, self.out_features)
 
     def _product(self, x, bias):
@@ -155,6 +158,18 @@ class Bf16PanelLinear(Projection):
 
     def _product(self, x, bias):
         return cpu_kernels.bf16_linear(x, self.panels, self.out_features, bias)
+
+
+def _unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """Block codes as `pack_block_codes` keeps them -> one int per code [P, K, 16]: two a byte
+    (k = 2i low nibble, 2i + 1 high; uint8 0..15, int8 -8..7) where they have K / 2 rows."""
+    if codes.shape[1] == k:
+        return codes
+    wide = codes.int()
+    low, high = wide & 15, (wide >> 4) & 15
+    if codes.dtype == torch.int8:  # two's complement nibbles
+        low, high = (low ^ 8) - 8, (high ^ 8) - 8
+    return torch.stack([low, high], dim=2).flatten(1, 2)
 
 
 def _unpanel(panels: torch.Tensor, out_features: int) -> torch.Tensor:

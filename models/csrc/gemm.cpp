@@ -19,15 +19,21 @@
 //   packed_linear(x [M, K] fp32, packed, n, bias?) -> y [M, n]
 //   packed_linear_available() -> whether this build has the vector kernel
 //
-// Block codes: weights dequantized from a GGUF (Q4_1, Q8_0) are, per row and 32 k, exactly
+// Block codes: weights dequantized from a GGUF (Q4_1, Q4_0, Q8_0) are, per row and 32 k, exactly
 // float(q) * d + m (each op rounded in fp32) with an integer q and fp16 d, m. Found at load, they
-// are kept as int8 codes [ceil(N/16), K, 16] and per-block d, m [ceil(N/16), K/32, 16]: 1.25 bytes
-// a weight instead of 4. The kernel rebuilds each panel in fp32 (the same bits) into a per-thread
-// buffer and runs the same blocks over it, so y has the bits of packed_linear on the fp32 weights;
-// at one or two rows, where W is streamed once per token from memory, it rebuilds the weights in
-// registers and reads 3.2x fewer bytes.
+// are kept as codes in panels, [ceil(N/16), K / per byte, 16], and per-block d, m [ceil(N/16), K/32, 16]:
+//   - codes: two a byte where every code of the weight fits 4 bits (Q4_1's 0..15: uint8; Q4_0's
+//     -8..7: int8, two's complement nibbles), k = 2i in byte i's low nibble, 2i + 1 in its high
+//     one; else one int8 a code (Q8_0, or a weight of both kinds);
+//   - d and m: fp16 where every one of the weight is exactly an fp16 (a GGUF's always are), else fp32.
+// So a Q4_1 weight takes 0.625 bytes instead of 4, as in the GGUF file (Q8_0: 1.125, m kept); with
+// compact=false, one int8 a code and fp32 d, m (1.25 bytes a weight, the layout before nibbles).
+// Every layout rebuilds the same fp32 weights. The kernel rebuilds each panel in fp32 (the same
+// bits) into a per-thread buffer and runs the same blocks over it, so y has the bits of
+// packed_linear on the fp32 weights; at a few rows, where W is streamed once per token from
+// memory, it rebuilds the weights in registers and reads 6.4x fewer bytes (Q4_1) than the panels.
 //
-//   pack_block_codes(w [N, K] fp32) -> [codes, scales, offsets], or [] where W is not exactly so
+//   pack_block_codes(w [N, K] fp32, compact = true) -> [codes, scales, offsets], or [] where W is not exactly so
 //   block_linear(x [M, K] fp32, codes, scales, offsets, n, bias?) -> y [M, n]
 
 #include <ATen/Parallel.h>
@@ -118,20 +124,29 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
 }
 
 // Codes q [32] with v[i] == float(q[i]) * d + m, bit for bit, or false. Tried: GGUF's Q4_1
-// (m the block's minimum, q 0..15, d = (max - min) / 15 in fp16) and Q8_0 (m = -0, which adds
-// nothing to any value, -0 included; q -128..127, d = max |v| / 127 in fp16), d also one or
-// two fp16 steps either side (the quantizer's own rounding may differ from ours).
-bool exact_block(const float* v, int8_t* q, float* d_out, float* m_out) {
-  float lo = v[0], hi = v[0];
-  for (int64_t i = 1; i < kGroup; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+// (m the block's minimum, q 0..15, d = (max - min) / 15 in fp16), Q4_0 (m = -0, which adds
+// nothing to any value, -0 included; q -8..7, d = -v / 8 in fp16 for the v of largest magnitude,
+// so d < 0 where that v is positive) and Q8_0 (m = -0; q -128..127, d = max |v| / 127 in fp16),
+// d also one or two fp16 steps either side (the quantizer's own rounding may differ from ours).
+// The 4-bit forms first, Q4_0's first where `signed_first`: many Q4_0 blocks are also exactly
+// Q4_1's form (codes q + 8, m = -8d), and a weight packs into nibbles only where all its blocks
+// have the one form.
+bool exact_block(const float* v, bool signed_first, int8_t* q, float* d_out, float* m_out) {
+  float lo = v[0], hi = v[0], far = v[0];
+  for (int64_t i = 1; i < kGroup; ++i) {
+    lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+    if (std::fabs(v[i]) > std::fabs(far)) far = v[i];
+  }
   if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
   const auto fits = [&](float d, float m, float qlo, float qhi) {
-    if (!std::isfinite(d) || d < 0.f) return false;
+    if (!std::isfinite(d)) return false;
     for (int64_t i = 0; i < kGroup; ++i) {
-      const float t = d > 0.f ? std::nearbyint(std::clamp((v[i] - m) / d, qlo, qhi)) : 0.f;
+      // the code as the kernel sees it, float(int): -0 made +0 (Q4_0's d < 0 turns a zero code into -0)
+      const int code = d != 0.f ? static_cast<int>(std::nearbyint(std::clamp((v[i] - m) / d, qlo, qhi))) : 0;
+      const float t = static_cast<float>(code);
       const float w = t * d + m;  // two roundings (-ffp-contract=off), as the kernel and GGUF's reader
       if (std::memcmp(&w, &v[i], sizeof(float)) != 0) return false;
-      q[i] = static_cast<int8_t>(t);
+      q[i] = static_cast<int8_t>(code);
     }
     *d_out = d, *m_out = m;
     return true;
@@ -141,21 +156,58 @@ bool exact_block(const float* v, int8_t* q, float* d_out, float* m_out) {
     h.x = static_cast<uint16_t>(h.x + step);
     return static_cast<float>(h);
   };
-  for (const int step : {0, -1, 1, -2, 2})
-    if (fits(near((hi - lo) / 15.f, step), lo, 0.f, 15.f)) return true;
+  const auto q4_1 = [&] {
+    for (const int step : {0, -1, 1, -2, 2})
+      if (fits(near((hi - lo) / 15.f, step), lo, 0.f, 15.f)) return true;
+    return false;
+  };
+  const auto q4_0 = [&] {
+    for (const int step : {0, -1, 1, -2, 2})
+      if (fits(near(far / -8.f, step), -0.f, -8.f, 7.f)) return true;
+    return false;
+  };
+  if (signed_first ? q4_0() || q4_1() : q4_1() || q4_0()) return true;
   for (const int step : {0, -1, 1, -2, 2})
     if (fits(near(std::max(-lo, hi) / 127.f, step), -0.f, -128.f, 127.f)) return true;
   return false;
 }
 
-std::vector<at::Tensor> pack_block_codes(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "w must be a float32 CPU [N, K]");
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel, groups = k / kGroup;
-  if (k == 0 || k % kGroup != 0 || n == 0) return {};
-  const auto src = w.contiguous();
-  auto codes = at::zeros({panels, k, kPanel}, w.options().dtype(at::kChar));
-  auto scales = at::zeros({panels, groups, kPanel}, w.options());
-  auto offsets = at::zeros({panels, groups, kPanel}, w.options());
+// How a weight's codes are kept: one int8 a code, or two a byte (k = 2i low, 2i + 1 high):
+// 0..15 (uint8) or -8..7 (int8, two's complement nibbles)
+enum class Codes { kBytes, kNibbles, kSignedNibbles };
+constexpr int64_t per_byte(Codes c) { return c == Codes::kBytes ? 1 : 2; }
+
+// Whether every float of t is exactly an fp16 (bit for bit: -0 stays -0)
+bool all_half(const at::Tensor& t) {
+  const float* p = t.data_ptr<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const float back = static_cast<float>(c10::Half(p[i]));
+    if (std::memcmp(&back, p + i, sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
+// int8 codes [P, K, 16] -> two a byte [P, K/2, 16] (dtype: uint8 for 0..15, int8 for -8..7)
+at::Tensor nibbles_of(const at::Tensor& codes, at::ScalarType dtype) {
+  const int64_t panels = codes.size(0), pairs = codes.size(1) / 2;
+  auto out = at::empty({panels, pairs, kPanel}, codes.options().dtype(dtype));
+  const int8_t* c = codes.data_ptr<int8_t>();
+  auto* o = static_cast<uint8_t*>(out.data_ptr());
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t i = 0; i < pairs; ++i)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t at = (p * pairs + i) * kPanel + j, low = (p * pairs * 2 + 2 * i) * kPanel + j;
+        o[at] = static_cast<uint8_t>((c[low] & 15) | ((c[low + kPanel] & 15) << 4));
+      }
+  return out;
+}
+
+// w's codes [P, K, 16] int8 and d, m [P, K/32, 16] fp32 (exact_block's, `signed_first` as there), or {}
+std::vector<at::Tensor> find_codes(const at::Tensor& src, bool signed_first) {
+  const int64_t n = src.size(0), k = src.size(1), panels = (n + kPanel - 1) / kPanel, groups = k / kGroup;
+  auto codes = at::zeros({panels, k, kPanel}, src.options().dtype(at::kChar));
+  auto scales = at::zeros({panels, groups, kPanel}, src.options());
+  auto offsets = at::zeros({panels, groups, kPanel}, src.options());
   const float* s = src.data_ptr<float>();
   int8_t* c = codes.data_ptr<int8_t>();
   float* d = scales.data_ptr<float>();
@@ -167,7 +219,7 @@ std::vector<at::Tensor> pack_block_codes(const at::Tensor& w) {
       const int64_t p = row / kPanel, j = row % kPanel;
       for (int64_t g = 0; g < groups; ++g) {
         float dg, mg;
-        if (!exact_block(s + row * k + g * kGroup, q, &dg, &mg)) {
+        if (!exact_block(s + row * k + g * kGroup, signed_first, q, &dg, &mg)) {
           exact = false;
           return;
         }
@@ -178,6 +230,35 @@ std::vector<at::Tensor> pack_block_codes(const at::Tensor& w) {
   });
   if (!exact) return {};
   return {codes, scales, offsets};
+}
+
+std::pair<int, int> code_range(const at::Tensor& codes) {
+  return {codes.min().item<int8_t>(), codes.max().item<int8_t>()};
+}
+
+std::vector<at::Tensor> pack_block_codes(const at::Tensor& w, bool compact) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "w must be a float32 CPU [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  if (k == 0 || k % kGroup != 0 || n == 0) return {};
+  const auto src = w.contiguous();
+  auto found = find_codes(src, false);
+  if (found.empty() || !compact) return found;
+  auto [lo, hi] = code_range(found[0]);
+  if (lo < 0 && hi > 7) {  // not one 4-bit form: a Q4_0 weight some of whose blocks Q4_1's form found?
+    auto again = find_codes(src, true);
+    if (!again.empty()) {
+      const auto [lo2, hi2] = code_range(again[0]);
+      if (lo2 >= -8 && hi2 <= 7) found = again, lo = lo2, hi = hi2;
+    }
+  }
+  at::Tensor &codes = found[0], &scales = found[1], &offsets = found[2];
+  if (lo >= 0 && hi <= 15) {
+    codes = nibbles_of(codes, at::kByte);
+  } else if (lo >= -8 && hi <= 7) {
+    codes = nibbles_of(codes, at::kChar);
+  }
+  if (all_half(scales) && all_half(offsets)) scales = scales.to(at::kHalf), offsets = offsets.to(at::kHalf);
+  return found;
 }
 
 #if TERCET_GEMM
@@ -227,19 +308,35 @@ constexpr std::array<std::array<BlockFn, kRows>, kPanels> all_blocks(std::intege
 // kBlocks[panels - 1][rows - 1]
 constexpr auto kBlocks = all_blocks(std::make_integer_sequence<int, kPanels>());
 
+// The codes of k = i and i + 1 (i even) at lanes lane.. of the panels whose codes start at q, as floats.
+template <Codes C>
+inline void load_codes(const uint8_t* q, int64_t i, int64_t lane, vec::vf& w0, vec::vf& w1) {
+  if constexpr (C == Codes::kBytes) {
+    const auto* p = reinterpret_cast<const int8_t*>(q) + i * kPanel + lane;
+    w0 = vec::load(p), w1 = vec::load(p + kPanel);
+  } else if constexpr (C == Codes::kNibbles) {
+    vec::load_nibbles(q + i / 2 * kPanel + lane, w0, w1);
+  } else {
+    vec::load_nibbles(reinterpret_cast<const int8_t*>(q) + i / 2 * kPanel + lane, w0, w1);
+  }
+}
+
 // `count` consecutive panels' fp32 weights from their codes: w = float(q) * d + m, into buf [count, k, 16].
-void decode_panels(const int8_t* codes, const float* scales, const float* offsets, int64_t k, int64_t count,
-                   float* buf) {
+template <Codes C, typename S>
+void decode_panels(const uint8_t* codes, const S* scales, const S* offsets, int64_t k, int64_t count, float* buf) {
   for (int64_t g = 0; g < count * (k / kGroup); ++g) {  // the panels' groups, in order (contiguous)
     vec::vf d[kVecs], m[kVecs];
 #pragma GCC unroll 4
     for (int v = 0; v < kVecs; ++v)
       d[v] = vec::load(scales + g * kPanel + v * vec::kLanes), m[v] = vec::load(offsets + g * kPanel + v * vec::kLanes);
-    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i)
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; i += 2)
 #pragma GCC unroll 4
       for (int v = 0; v < kVecs; ++v) {
+        vec::vf q0, q1;
+        load_codes<C>(codes, i, v * vec::kLanes, q0, q1);
         const int64_t at = i * kPanel + v * vec::kLanes;
-        vec::store(buf + at, vec::add(vec::mul(vec::load(codes + at), d[v]), m[v]));
+        vec::store(buf + at, vec::add(vec::mul(q0, d[v]), m[v]));
+        vec::store(buf + at + kPanel, vec::add(vec::mul(q1, d[v]), m[v]));
       }
   }
 }
@@ -248,16 +345,19 @@ void decode_panels(const int8_t* codes, const float* scales, const float* offset
 // kVecs accumulator chains (enough to hide the FMA latency), each output one sum over k in order,
 // as block's. For products of a few rows (decode at low concurrency), where decoding into a
 // buffer and reading it back costs as much as the weights' bytes save (1.4-2.2x, bench_gemm).
-// Panels past `count` repeat panel 0 (computed, not stored).
-template <int R, int P>
-void direct(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* offsets, int64_t k,
+// k goes in pairs (a byte of nibbles), each accumulator fed k = i, then i + 1. The group's d and m
+// are taken as fp32 once per group. Panels past `count` repeat panel 0 (computed, not stored).
+template <int R, int P, Codes C, typename S>
+void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
             int64_t count, float* y, int64_t ldc, int64_t cols, const float* bias) {
   constexpr int V = P * kVecs;
-  const int8_t* q[P];
-  int64_t o[P];
+  const uint8_t* q[P];
+  const S* ds[P];
+  const S* ms[P];
   for (int p = 0; p < P; ++p) {
     const int64_t at = p < count ? p : 0;
-    q[p] = codes + at * k * kPanel, o[p] = at * (k / kGroup) * kPanel;
+    q[p] = codes + at * (k / per_byte(C)) * kPanel;
+    ds[p] = scales + at * (k / kGroup) * kPanel, ms[p] = offsets + at * (k / kGroup) * kPanel;
   }
   vec::vf c[R][V];
 #pragma GCC unroll 32
@@ -265,20 +365,32 @@ void direct(const float* x, int64_t ldx, const int8_t* codes, const float* scale
 #pragma GCC unroll 32
     for (int v = 0; v < V; ++v) c[r][v] = vec::zero();
   for (int64_t g = 0; g < k / kGroup; ++g) {
-    const float* d = scales + g * kPanel;
-    const float* m = offsets + g * kPanel;
-#pragma GCC unroll 4
-    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
-      vec::vf a[R];
+    alignas(64) float d[V * vec::kLanes], m[V * vec::kLanes];  // this group's, fp32, by v
 #pragma GCC unroll 32
-      for (int r = 0; r < R; ++r) a[r] = vec::set1(kInPlace ? x[r * ldx + i] : x[i * kRows + r]);
+    for (int v = 0; v < V; ++v) {
+      const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
+      vec::store(d + v * vec::kLanes, vec::load(ds[p] + g * kPanel + lane));
+      vec::store(m + v * vec::kLanes, vec::load(ms[p] + g * kPanel + lane));
+    }
+#pragma GCC unroll 4
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; i += 2) {
+      vec::vf a0[R], a1[R];
+#pragma GCC unroll 32
+      for (int r = 0; r < R; ++r) {
+        a0[r] = vec::set1(kInPlace ? x[r * ldx + i] : x[i * kRows + r]);
+        a1[r] = vec::set1(kInPlace ? x[r * ldx + i + 1] : x[(i + 1) * kRows + r]);
+      }
 #pragma GCC unroll 32
       for (int v = 0; v < V; ++v) {
         const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
-        const vec::vf w = vec::add(vec::mul(vec::load(q[p] + i * kPanel + lane), vec::load(d + o[p] + lane)),
-                                   vec::load(m + o[p] + lane));
+        vec::vf q0, q1;
+        load_codes<C>(q[p], i, lane, q0, q1);
+        const vec::vf dv = vec::load(d + v * vec::kLanes), mv = vec::load(m + v * vec::kLanes);
+        const vec::vf w0 = vec::add(vec::mul(q0, dv), mv), w1 = vec::add(vec::mul(q1, dv), mv);
 #pragma GCC unroll 32
-        for (int r = 0; r < R; ++r) c[r][v] = vec::fmadd(a[r], w, c[r][v]);
+        for (int r = 0; r < R; ++r) c[r][v] = vec::fmadd(a0[r], w0, c[r][v]);
+#pragma GCC unroll 32
+        for (int r = 0; r < R; ++r) c[r][v] = vec::fmadd(a1[r], w1, c[r][v]);
       }
     }
   }
@@ -287,14 +399,16 @@ void direct(const float* x, int64_t ldx, const int8_t* codes, const float* scale
 #endif
 
 #if TERCET_GEMM
-using DirectFn = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float*,
+template <Codes C, typename S>
+using DirectFn = void (*)(const float*, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, float*,
                           int64_t, int64_t, const float*);
-template <int... R>
-constexpr std::array<DirectFn, kDirectRows> directs_of(std::integer_sequence<int, R...>) {
-  return {&direct<R + 1, direct_panels(R + 1)>...};
+template <Codes C, typename S, int... R>
+constexpr std::array<DirectFn<C, S>, kDirectRows> directs_of(std::integer_sequence<int, R...>) {
+  return {&direct<R + 1, direct_panels(R + 1), C, S>...};
 }
-// kDirect[rows - 1]
-constexpr auto kDirect = directs_of(std::make_integer_sequence<int, kDirectRows>());
+// kDirect<C, S>[rows - 1]
+template <Codes C, typename S>
+constexpr auto kDirect = directs_of<C, S>(std::make_integer_sequence<int, kDirectRows>());
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -386,23 +500,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                  [&](int64_t p, int64_t, float*) { return w + p * k * kPanel; });
 }
 
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.scalar_type() == at::kChar &&
-                  codes.is_contiguous() && codes.size(1) % kGroup == 0, "codes must come from pack_block_codes");
-  const int64_t panels = codes.size(0), k = codes.size(1);
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == panels && t->size(1) == k / kGroup && t->size(2) == kPanel &&
-                    t->scalar_type() == at::kFloat && t->is_contiguous(), "scales and offsets must come from pack_block_codes");
-  check_x(x, k, panels, n);
-  at::Tensor keep;
-  const float* b = checked_bias(bias, n, keep);
-  [[maybe_unused]] const int8_t* c = codes.data_ptr<int8_t>();
-  [[maybe_unused]] const float* d = scales.data_ptr<float>();
-  [[maybe_unused]] const float* mo = offsets.data_ptr<float>();
 #if TERCET_GEMM
+// block_linear over one layout: codes of kind C, d and m of type S
+template <Codes C, typename S>
+at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const S* mo, int64_t panels, int64_t k,
+                        int64_t n, const float* b) {
+  const int64_t sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's, each
   if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes
-    const int64_t m = x.size(0), sstride = (k / kGroup) * kPanel;
+    const int64_t m = x.size(0);
     const int64_t width = direct_panels(static_cast<int>(m));
     const auto rows_in = block_rows_of(x);
     const float* a = rows_in.data_ptr<float>();
@@ -413,19 +518,50 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
         const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
         const int64_t cols = std::min(count * kPanel, n - p * kPanel);
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        const int8_t* pc = c + p * k * kPanel;
-        kDirect[m - 1](a, k, pc, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols, pb);
+        kDirect<C, S>[m - 1](a, k, c + p * cstride, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n,
+                             cols, pb);
       }
     });
     return y;
   }
-#endif
   return project(x, panels, n, b, kCodeBlockRows, [&](int64_t p, int64_t count, float* buf) {
-#if TERCET_GEMM
-    decode_panels(c + p * k * kPanel, d + p * (k / kGroup) * kPanel, mo + p * (k / kGroup) * kPanel, k, count, buf);
-#endif
+    decode_panels<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, k, count, buf);
     return static_cast<const float*>(buf);
   });
+}
+
+template <Codes C>
+at::Tensor codes_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& offsets, int64_t k, int64_t n, const float* b) {
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  if (scales.scalar_type() == at::kHalf)
+    return codes_linear<C>(x, c, scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), codes.size(0), k, n, b);
+  return codes_linear<C>(x, c, scales.data_ptr<float>(), offsets.data_ptr<float>(), codes.size(0), k, n, b);
+}
+#endif
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0 && scales.size(2) == kPanel && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
+                  offsets.is_contiguous(), "scales and offsets must come from pack_block_codes");
+  const int64_t panels = scales.size(0), k = scales.size(1) * kGroup;  // K from the blocks: the codes may be nibbles
+  const bool nibbles = codes.dim() == 3 && codes.size(1) * 2 == k;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(0) == panels && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  ((codes.size(1) == k && codes.scalar_type() == at::kChar) ||
+                   (nibbles && (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte))),
+              "codes must come from pack_block_codes");
+  check_x(x, k, panels, n);
+  at::Tensor keep;
+  const float* b = checked_bias(bias, n, keep);
+#if TERCET_GEMM
+  if (!nibbles) return codes_linear<Codes::kBytes>(x, codes, scales, offsets, k, n, b);
+  if (codes.scalar_type() == at::kByte) return codes_linear<Codes::kNibbles>(x, codes, scales, offsets, k, n, b);
+  return codes_linear<Codes::kSignedNibbles>(x, codes, scales, offsets, k, n, b);
+#else
+  return at::Tensor();  // (check_x refused: no vector kernel in this build)
+#endif
 }
 
 bool packed_linear_available() { return TERCET_GEMM; }
@@ -436,7 +572,7 @@ TORCH_LIBRARY_FRAGMENT(tercet, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_available() -> bool", &packed_linear_available);
-  m.def("pack_block_codes(Tensor w) -> Tensor[]");
+  m.def("pack_block_codes(Tensor w, bool compact=True) -> Tensor[]");
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
   m.impl("pack_block_codes", c10::DispatchKey::CPU, TORCH_FN(pack_block_codes));
   m.impl("block_linear", c10::DispatchKey::CPU, TORCH_FN(block_linear));

@@ -8,6 +8,7 @@
 // Loads and stores convert the model dtype (float, bf16, fp16) to and from fp32 lanes (loads also
 // int8 codes, exactly); stores round to nearest even, as torch's conversions do. vexp is exp on
 // every lane (~2 ulp over x <= 0, the softmax's range; overflow gives +inf, as std::exp).
+// load_nibbles: bytes of two 4-bit codes each (GGUF's Q4 blocks) as two vectors of floats, exactly.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -47,6 +48,18 @@ inline vf load(const int8_t* p) {  // 16 int8 codes as floats
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
+// 16 bytes of two codes each as floats, exactly: lo the low nibbles (k), hi the high ones (k + 1);
+// uint8: codes 0..15, int8: -8..7 (two's complement nibbles)
+inline void load_nibbles(const uint8_t* p, vf& lo, vf& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+inline void load_nibbles(const int8_t* p, vf& lo, vf& hi) {
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
+  hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(b, 4));
+}
 
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -104,6 +117,17 @@ inline vf load(const int8_t* p) {  // 8 int8 codes as floats
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
+// 8 bytes of two codes each as floats, exactly (as the AVX-512 load_nibbles)
+inline void load_nibbles(const uint8_t* p, vf& lo, vf& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline void load_nibbles(const int8_t* p, vf& lo, vf& hi) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+  hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 4));
+}
 
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }

@@ -352,7 +352,7 @@ def test_block_codes_give_the_bits_of_the_fp32_kernel(kernels, rows, out_feature
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, 96, generator=g), torch.randn(out_features, generator=g)
     codes, panels = cpu_kernels.pack_block_codes(weight), cpu_kernels.pack_linear_weight(weight)
-    assert len(codes) == 3 and codes[0].dtype == torch.int8
+    assert len(codes) == 3 and codes[0].dtype == (torch.uint8 if kind == "q4_1" else torch.int8)  # nibbles for Q4_1
     for b in (None, bias):
         assert torch.equal(cpu_kernels.block_linear(x, *codes, out_features, b),
                            cpu_kernels.packed_linear(x, panels, out_features, b))
@@ -374,10 +374,10 @@ def test_block_codes_give_a_row_the_same_bits_alone_or_in_any_batch(kernels):
 def test_pack_block_codes_keeps_gguf_codes_and_refuses_other_weights(kernels):
     if not cpu_kernels.packed_linear_available():
         pytest.skip("built without AVX2 + FMA")
-    codes, scales, offsets = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q4_1"))
+    codes, scales, offsets = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q4_1"), compact=False)
     assert codes.shape == (3, 64, 16) and scales.shape == offsets.shape == (3, 2, 16)
     assert codes.min() >= 0 and codes.max() == 15  # Q4_1: 0..15 from the block's minimum
-    codes, _, offsets = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q8_0"))
+    codes, _, offsets = cpu_kernels.pack_block_codes(gguf_weight(40, 64, "q8_0"), compact=False)
     assert codes.min() < 0 and torch.all(offsets[:, :, :8] == 0)  # Q8_0: signed, no offset
     assert cpu_kernels.pack_block_codes(torch.zeros(16, 64))  # constant blocks: d = 0
     plain = torch.randn(16, 64)

@@ -1,0 +1,156 @@
+"""GGUF block codes kept as GGUF keeps them (csrc/gemm.cpp `pack_block_codes`): Q4_1's and Q4_0's
+codes two a byte, Q8_0's one a byte, d and m in fp16 where they are exactly fp16 (else fp32).
+
+Every product has the bits of the wide layout (one int8 a code, fp32 d and m: the kernel before
+nibbles) and of tercet's fp32 kernel over the dequantized weights, at one row, two, the direct
+paths' register blocks (up to 8 rows on AVX-512) and the buffer path; a row's bits do not depend on
+the other rows.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from models import cpu_kernels
+from models.projections import BlockCodeLinear, Linear
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+
+ROWS = [1, 2, 3, 5, 8, 9, 64, 400]  # one row, two, the direct paths up to 8, the buffer path (one block, several)
+# kind -> (codes dtype, codes a byte, scales dtype)
+LAYOUT = {"q4_1": (torch.uint8, 2, torch.float16), "q4_0": (torch.int8, 2, torch.float16),
+          "q8_0": (torch.int8, 1, torch.float16), "mixed": (torch.int8, 1, torch.float16)}
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    assert cpu_kernels.load(), "a machine with a C++ compiler must build the kernels (see the log)"
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("built without AVX-512 or AVX2 + FMA")
+
+
+def quantized(out_features: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """A weight as tercet loads a GGUF's: quantized by gguf-py (llama.cpp's formats) and dequantized;
+    "mixed": Q4_1 rows over Q8_0 rows (a fused q/k/v of differently quantized parts)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if kind == "mixed":
+        half = out_features // 2
+        return torch.cat([quantized(half, k, "q4_1", seed), quantized(out_features - half, k, "q8_0", seed + 1)])
+    kinds = {"q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0}
+    weight = (torch.randn(out_features, k, generator=torch.Generator().manual_seed(seed)) * 0.05).numpy()
+    return torch.from_numpy(quants.dequantize(quants.quantize(weight, kinds[kind]), kinds[kind]).copy())
+
+
+def nbytes(codes) -> int:
+    return sum(t.numel() * t.element_size() for t in codes)
+
+
+def halves_summed(x, weight):
+    """x W^T with k in two halves, each summed, then added: another order than one running sum."""
+    h = x.shape[1] // 2
+    return (x[:, :h].double() @ weight[:, :h].double().T + x[:, h:].double() @ weight[:, h:].double().T).float()
+
+
+@pytest.mark.parametrize("kind", list(LAYOUT))
+def test_codes_are_kept_in_gguf_bytes_and_rebuild_the_weight(fp32, kind):
+    weight = quantized(48, 96, kind)
+    compact, wide = cpu_kernels.pack_block_codes(weight), cpu_kernels.pack_block_codes(weight, compact=False)
+    dtype, per_byte, scale_dtype = LAYOUT[kind]
+    assert compact[0].dtype == dtype and compact[0].shape == (3, 96 // per_byte, 16)
+    assert compact[1].dtype == compact[2].dtype == scale_dtype and compact[1].shape == (3, 3, 16)
+    assert wide[0].dtype == torch.int8 and wide[0].shape == (3, 96, 16)
+    assert wide[1].dtype == wide[2].dtype == torch.float32
+    assert nbytes(wide) / weight.numel() == 1.25  # one byte a code, 8 bytes of d and m a block of 32
+    assert nbytes(compact) / weight.numel() == {1: 1.125, 2: 0.625}[per_byte]  # Q4: GGUF's Q4_1 bytes (Q8_0 keeps m)
+    for codes in (compact, wide):
+        assert torch.equal(BlockCodeLinear(codes, 48).dense(), weight)  # bit for bit, -0 included
+        assert BlockCodeLinear(codes, 48).shape == (48, 96)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features,k", [(3, 64), (40, 96), (80, 96), (96, 576), (200, 576)])
+@pytest.mark.parametrize("kind", list(LAYOUT))
+def test_compact_codes_give_the_bits_of_the_wide_codes_and_of_the_fp32_kernel(fp32, kind, out_features, k, rows):
+    weight = quantized(out_features, k, kind, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(out_features, generator=g)
+    compact, wide = cpu_kernels.pack_block_codes(weight), cpu_kernels.pack_block_codes(weight, compact=False)
+    assert compact[0].dtype == LAYOUT[kind][0]
+    panels = cpu_kernels.pack_linear_weight(weight)
+    for b in (None, bias):
+        ours = cpu_kernels.block_linear(x, *compact, out_features, b)
+        assert torch.equal(ours, cpu_kernels.block_linear(x, *wide, out_features, b))
+        assert torch.equal(ours, cpu_kernels.packed_linear(x, panels, out_features, b))
+    assert not torch.equal(halves_summed(x, weight), cpu_kernels.block_linear(x, *compact, out_features))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
+def test_compact_codes_give_a_row_the_same_bits_alone_or_in_any_batch(fp32, kind):
+    weight = quantized(200, 576, kind)
+    x = torch.randn(500, 576, generator=torch.Generator().manual_seed(2))
+    codes = cpu_kernels.pack_block_codes(weight)
+    whole = cpu_kernels.block_linear(x, *codes, 200)
+    for start, stop in [(0, 1), (5, 6), (8, 10), (7, 15), (7, 20), (96, 131), (383, 390), (100, 500), (499, 500)]:
+        assert torch.equal(cpu_kernels.block_linear(x[start:stop], *codes, 200), whole[start:stop])
+    alone = torch.cat([cpu_kernels.block_linear(x[r : r + 1], *codes, 200) for r in range(0, 500, 37)])
+    assert torch.equal(alone, whole[::37])
+    pairs = torch.cat([cpu_kernels.block_linear(x[r : r + 2], *codes, 200) for r in range(0, 500, 50)])
+    assert torch.equal(pairs, torch.cat([whole[r : r + 2] for r in range(0, 500, 50)]))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0"])
+def test_codes_keep_fp32_scales_where_a_block_is_not_fp16(fp32, kind):
+    """A constant block of 0.1 is exactly code 0 with m = 0.1, which no fp16 holds: the nibbles stay,
+    d and m are fp32 (every layout: the same bits)."""
+    weight = quantized(40, 96, kind)
+    weight[17, 32:64] = 0.1
+    codes, wide = cpu_kernels.pack_block_codes(weight), cpu_kernels.pack_block_codes(weight, compact=False)
+    assert codes[0].dtype == LAYOUT[kind][0] and codes[0].shape[1] == 48
+    assert codes[1].dtype == codes[2].dtype == torch.float32
+    assert torch.equal(BlockCodeLinear(codes, 40).dense(), weight)
+    g = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(400, 96, generator=g), torch.randn(40, generator=g)
+    panels = cpu_kernels.pack_linear_weight(weight)
+    for rows in ROWS:
+        ours = cpu_kernels.block_linear(x[:rows], *codes, 40, bias)
+        assert torch.equal(ours, cpu_kernels.block_linear(x[:rows], *wide, 40, bias))
+        assert torch.equal(ours, cpu_kernels.packed_linear(x[:rows], panels, 40, bias))
+
+
+def test_q4_0_blocks_are_found_as_codes(fp32):
+    """Q4_0 (w = d * q, q -8..7, d < 0 where the block's largest magnitude is positive), before this
+    kept as fp32 panels, is kept as signed nibbles, even where Q4_1's form also fits some blocks."""
+    weight = quantized(64, 576, "q4_0")
+    codes, _, offsets = cpu_kernels.pack_block_codes(weight)
+    wide = cpu_kernels.pack_block_codes(weight, compact=False)[0]
+    assert codes.dtype == torch.int8 and codes.shape == (4, 288, 16)
+    assert bool((offsets == 0).all()) and bool(torch.signbit(offsets).all())  # m = -0: adds nothing
+    assert wide.min() < 0 and wide.max() > 7  # wide: each block's first form that fits, Q4_1's first
+    lin = Linear(weight, kernel=True, codes=True)
+    assert lin.codes is not None and lin.codes[0].dtype == torch.int8 and torch.equal(lin.dense(), weight)
+
+
+def test_linear_keeps_a_q4_1_weight_in_nibbles_with_the_products_of_the_panels(fp32):
+    weight, bias = quantized(40, 96, "q4_1"), torch.randn(40, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(33, 96, generator=torch.Generator().manual_seed(2))
+    coded, panels = Linear(weight, bias, kernel=True, codes=True), Linear(weight, bias, kernel=True)
+    assert isinstance(coded, BlockCodeLinear) and coded.codes[0].dtype == torch.uint8
+    assert coded.shape == (40, 96) and torch.equal(coded.dense(), weight)
+    for rows in (1, 2, 4, 33):
+        assert torch.equal(coded(x[:rows]), panels(x[:rows]))
+        assert torch.equal(coded(x[:rows], tile=16), panels(x[:rows]))
+
+
+def test_block_linear_refuses_layouts_that_do_not_fit(fp32):
+    codes, scales, offsets = cpu_kernels.pack_block_codes(quantized(40, 64, "q4_1"))
+    x = torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="scales and offsets"):
+        cpu_kernels.block_linear(x, codes, scales, offsets.float(), 40)
+    with pytest.raises(RuntimeError, match="codes must come"):
+        cpu_kernels.block_linear(x, codes[:, :16].contiguous(), scales, offsets, 40)
+    with pytest.raises(RuntimeError, match="codes must come"):
+        cpu_kernels.block_linear(x, codes.int(), scales, offsets, 40)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.block_linear(torch.zeros(2, 32), codes, scales, offsets, 40)
