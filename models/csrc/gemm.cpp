@@ -321,6 +321,19 @@ inline void load_codes(const uint8_t* q, int64_t i, int64_t lane, vec::vf& w0, v
   }
 }
 
+// w = float(q) * d + m, each op rounded. With fp16 d (S = c10::Half) q * d is exact in fp32 (a code
+// of at most 8 bits times an 11-bit significand, far from fp32's subnormals), so one fused
+// multiply-add, rounded once, gives the same bits (a zero's sign too: an exact zero takes the sign
+// rule of the addition) in one instruction instead of two.
+template <typename S>
+inline vec::vf rebuild(vec::vf q, vec::vf d, vec::vf m) {
+  if constexpr (std::is_same_v<S, c10::Half>) {
+    return vec::fmadd(q, d, m);
+  } else {
+    return vec::add(vec::mul(q, d), m);
+  }
+}
+
 // `count` consecutive panels' fp32 weights from their codes: w = float(q) * d + m, into buf [count, k, 16].
 template <Codes C, typename S>
 void decode_panels(const uint8_t* codes, const S* scales, const S* offsets, int64_t k, int64_t count, float* buf) {
@@ -335,8 +348,8 @@ void decode_panels(const uint8_t* codes, const S* scales, const S* offsets, int6
         vec::vf q0, q1;
         load_codes<C>(codes, i, v * vec::kLanes, q0, q1);
         const int64_t at = i * kPanel + v * vec::kLanes;
-        vec::store(buf + at, vec::add(vec::mul(q0, d[v]), m[v]));
-        vec::store(buf + at + kPanel, vec::add(vec::mul(q1, d[v]), m[v]));
+        vec::store(buf + at, rebuild<S>(q0, d[v], m[v]));
+        vec::store(buf + at + kPanel, rebuild<S>(q1, d[v], m[v]));
       }
   }
 }
@@ -386,7 +399,7 @@ void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, 
         vec::vf q0, q1;
         load_codes<C>(q[p], i, lane, q0, q1);
         const vec::vf dv = vec::load(d + v * vec::kLanes), mv = vec::load(m + v * vec::kLanes);
-        const vec::vf w0 = vec::add(vec::mul(q0, dv), mv), w1 = vec::add(vec::mul(q1, dv), mv);
+        const vec::vf w0 = rebuild<S>(q0, dv, mv), w1 = rebuild<S>(q1, dv, mv);
 #pragma GCC unroll 32
         for (int r = 0; r < R; ++r) c[r][v] = vec::fmadd(a0[r], w0, c[r][v]);
 #pragma GCC unroll 32

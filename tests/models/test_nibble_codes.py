@@ -154,3 +154,26 @@ def test_block_linear_refuses_layouts_that_do_not_fit(fp32):
         cpu_kernels.block_linear(x, codes.int(), scales, offsets, 40)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_kernels.block_linear(torch.zeros(2, 32), codes, scales, offsets, 40)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_fp16_scales_at_their_extremes_rebuild_the_bits_of_fp32_scales(fp32, signed):
+    """With fp16 d, float(q) * d is exact, so the kernel rebuilds a weight with one rounding (a fused
+    multiply-add) where the wide layout takes two: the same bits, here for d and m at fp16's ends
+    (subnormal, largest, zero of either sign, negative)."""
+    g = torch.Generator().manual_seed(3)
+    extremes = torch.tensor([0.0, -0.0, 2**-24, -(2**-24), 2**-14, 65504.0, -65504.0, 1e-3, -0.02, 0.5],
+                            dtype=torch.float16)
+    d = torch.cat([extremes[torch.randint(len(extremes), (2, 2, 16), generator=g)].flatten(),
+                   torch.randn(64, generator=g).half()])[torch.randperm(128, generator=g)].view(2, 4, 16)
+    m = torch.cat([extremes[torch.randint(len(extremes), (64,), generator=g)],
+                   torch.randn(64, generator=g).half()])[torch.randperm(128, generator=g)].view(2, 4, 16)
+    q = torch.randint(-8, 8, (2, 128, 16), generator=g) if signed else torch.randint(0, 16, (2, 128, 16), generator=g)
+    nibbles = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).to(torch.uint8)
+    compact = [nibbles.view(torch.int8) if signed else nibbles, d, m]
+    wide = [q.to(torch.int8), d.float(), m.float()]
+    assert torch.equal(BlockCodeLinear(compact, 32).dense(), BlockCodeLinear(wide, 32).dense())
+    x = torch.randn(400, 128, generator=g) * 1e-3
+    for rows in ROWS:
+        for n in (32, 20):
+            assert torch.equal(cpu_kernels.block_linear(x[:rows], *compact, n), cpu_kernels.block_linear(x[:rows], *wide, n))
