@@ -206,9 +206,10 @@ async def kill_and_watch(url: str, pid: int, timeout: float) -> dict:
 async def time_scheduler_start(topology) -> float:
     """A scheduler process alone, spawn -> ready: what a restart must at least pay."""
     from actors.process import ProcessChild
+    from serving.runtime.specs import scheduler_config
 
     with tempfile.TemporaryDirectory(prefix="tercet-load-") as tmp:
-        config = topology.scheduler_config(f"ipc://{tmp}/detokenizer")
+        config = scheduler_config(topology, f"ipc://{tmp}/detokenizer")
         child = ProcessChild("serving.managers.scheduler:scheduler_child",
                              {"address": f"ipc://{tmp}/scheduler", "config": msgspec.to_builtins(config)},
                              name="scheduler")

@@ -7,8 +7,9 @@
   routes, admin), its shared state and metrics, and a tokenizer worker
   process's HTTP side. It uses a running topology through the ``Runtime``
   interface and never starts one.
-- ``serving.runtime``: topologies (YAML), starting them under supervision,
-  the multi-worker main process, and the offline ``Engine``.
+- ``serving.runtime``: topologies (YAML, a schema: ``topology``), what to
+  start (``specs``, ``replicas``, ``frontend``), starting it under supervision
+  (``launch``), the multi-worker main process, and the offline ``Engine``.
 - ``serving.cli``: ``tercet serve``.
 
 Imports go managers ← runtime.topology/interface ← http ← cli, and

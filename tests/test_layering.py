@@ -156,3 +156,52 @@ def test_http_imports_nothing_that_starts_processes():
     assert not reached & STARTS_PROCESSES, sorted(reached & STARTS_PROCESSES)
     spawners = {m for m in reached if {"subprocess", "multiprocessing"} & imported_top_levels(project_modules()[m])}
     assert not spawners, sorted(spawners)
+
+
+def test_the_topology_is_a_schema_only():
+    """serving/runtime/topology.py reads and checks a YAML file: it imports neither torch nor the managers
+    (directly or through what it imports), so a config is checked without loading either."""
+    graph = import_graph()
+    reached, todo = set(), ["serving.runtime.topology"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph[module])
+    managers = sorted(m for m in reached if m.startswith("serving.managers") or m.startswith("models"))
+    assert not managers, managers
+    heavy = {m for m in reached if {"torch", "transformers"} & imported_top_levels(project_modules()[m])}
+    assert not heavy, sorted(heavy)
+
+
+def replica_switches(source: str) -> list[str]:
+    """Where ``source`` switches on whether replicas exist: ``… .replicated``, ``replicas is None``
+    (or ``is not None``), ``isinstance(…, ReplicaStatus / ReplicaSet / ReplicaPool)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "replicated":
+            found.append(f"line {node.lineno}: .replicated")
+        elif isinstance(node, ast.Compare) and any(isinstance(op, ast.Is | ast.IsNot) for op in node.ops):
+            names = [n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "") for n in (node.left,
+                                                                                               *node.comparators)]
+            if "replicas" in names:
+                found.append(f"line {node.lineno}: replicas is (not) None")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance"
+              and any(getattr(a, "id", "") in ("ReplicaStatus", "ReplicaSet", "ReplicaPool") for a in ast.walk(node))):
+            found.append(f"line {node.lineno}: isinstance of a replica class")
+    return found
+
+
+def test_no_runtime_module_switches_on_whether_replicas_exist():
+    """A server without replicas is a pool of one (issue 30): the runtime has one mode. (The topology,
+    a schema, may say whether it has replicas; HTTP words its health answer by it.)"""
+    offenders = [f"{path.relative_to(ROOT)} {where}"
+                 for path in sorted((ROOT / "serving" / "runtime").glob("*.py")) if path.name != "topology.py"
+                 for where in replica_switches(path.read_text())]
+    assert not offenders, offenders
+
+
+def test_the_switch_finder_sees_each_kind_of_switch():
+    source = ("if topology.replicated: pass\nif self.replicas is None: pass\n"
+              "if isinstance(self.status, ReplicaStatus): pass\nif len(self.replicas) == 1: pass\n")
+    assert [w.split(":")[0] for w in replica_switches(source)] == ["line 1", "line 2", "line 3"]

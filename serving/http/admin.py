@@ -10,9 +10,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from actors import CallError
-
-from ..managers.messages import DetokenizerInfoReq, FlushCacheReq, SamplingParams, ServerInfoReq
+from ..managers.messages import FlushCacheReq, SamplingParams
 from ..managers.tokenizer_manager import GenerateInput
 from .errors import BadRequest, decode_body
 from .state import ServerState, merged_info
@@ -43,8 +41,8 @@ async def health(request: Request, state: ServerState) -> Response:
     if problem is not None:
         return PlainTextResponse(problem, status_code=503)
     if state.replicated:
-        tm = state.runtime.tokenizer_manager
-        return PlainTextResponse(f"OK: {sum(tm.up)} of {len(tm.up)} replicas serving")
+        replicas = state.runtime.tokenizer_manager.replicas
+        return PlainTextResponse(f"OK: {len(replicas.serving())} of {len(replicas)} replicas serving")
     return PlainTextResponse("OK")
 
 
@@ -122,7 +120,7 @@ async def abort_request(request: Request, state: ServerState) -> Response:
 
 
 async def flush_cache(request: Request, state: ServerState) -> Response:
-    answers = await state.runtime.tokenizer_manager.call_replicas(FlushCacheReq())
+    answers = await state.runtime.tokenizer_manager.replicas.call_all(FlushCacheReq())
     if not answers or any(isinstance(a, BaseException) for a in answers.values()):
         raise BadRequest("the scheduler does not answer (restarting, or swamped)", status=503)
     if not all(answers.values()):

@@ -103,13 +103,12 @@ class Metrics:
             self.crashes.labels(actor, cause).set(count)
         self.resumed.set(tm.resumed)
         self.migrated.set(tm.migrated)
-        for i, up in enumerate(tm.up):
-            label = str(i)
-            self.replica_up.labels(label).set(up)
-            self.replica_in_flight.labels(label).set(tm.router.load[i])
-            self.replica_routed.labels(label).set(tm.router.routed[i])
-            prompt = tm.prompt_tokens[i]
-            self.replica_hit_rate.labels(label).set(tm.cached_tokens[i] / prompt if prompt else 0.0)
+        for replica in tm.replicas.figures():
+            label = str(replica["replica"])
+            self.replica_up.labels(label).set(replica["up"])
+            self.replica_in_flight.labels(label).set(replica["in_flight"])
+            self.replica_routed.labels(label).set(replica["routed"])
+            self.replica_hit_rate.labels(label).set(replica["cache_hit_rate"])
         if self.multiprocess:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)

@@ -131,7 +131,7 @@ class ServerState:
             detokenizers: dict[int, Any] = {}
 
             async def ask(into: dict[int, Any], msg: Any, detokenizer: bool) -> None:
-                into.update(await tm.call_replicas(msg, timeout=timeout, detokenizer=detokenizer))
+                into.update(await tm.replicas.call_all(msg, timeout=timeout, detokenizer=detokenizer))
 
             nursery.start_soon(ask, schedulers, ServerInfoReq(), False)
             nursery.start_soon(ask, detokenizers, DetokenizerInfoReq(), True)
@@ -147,18 +147,13 @@ class ServerState:
         """Per replica: up (taking requests), in the pool, requests in flight and routed there,
         prompt tokens finished there and the share of them served from its prefix cache,
         and its scheduler's queue and KV figures (``infos``: as ``replica_infos`` gave)."""
-        tm, status = self.runtime.tokenizer_manager, self.runtime.status
+        status = self.runtime.status
         figures = []
-        for i in range(len(tm.schedulers)):
-            info = infos.get(i, {})
-            prompt = tm.prompt_tokens[i]
-            figures.append({
-                "replica": i, "up": tm.up[i], "in_pool": i in status.pool, "in_flight": tm.router.load[i],
-                "routed": tm.router.routed[i], "prompt_tokens": prompt, "cached_tokens": tm.cached_tokens[i],
-                "cache_hit_rate": tm.cached_tokens[i] / prompt if prompt else 0.0,
-                **{key: info[key] for key in ("waiting", "running", "kv_pages_total", "kv_pages_free",
-                                               "cached_pages") if key in info},
-            })
+        for replica in self.runtime.tokenizer_manager.replicas.figures():
+            info = infos.get(replica["replica"], {})
+            figures.append({**replica, "in_pool": replica["replica"] in status.pool,
+                            **{key: info[key] for key in ("waiting", "running", "kv_pages_total", "kv_pages_free",
+                                                          "cached_pages") if key in info}})
         return figures
 
     async def call(self, msg: Any, *, timeout: float = 10.0) -> Any:

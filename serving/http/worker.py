@@ -28,7 +28,8 @@ from models.loading import load_tokenizer
 from ..managers.messages import RuntimeStatus, SetPaused, UpdateWeightsAll, WorkerStalled
 from ..managers.tokenizer_manager import TokenizerManager
 from ..runtime.interface import Gate, StatusTracker, TokenizerManagerSlot
-from ..runtime.topology import Topology, make_tokenizer_manager, tokenizer_source
+from ..runtime.frontend import make_tokenizer_manager
+from ..runtime.topology import Topology, tokenizer_source
 from .app import build_app, hypercorn_config
 from .metrics import Metrics
 

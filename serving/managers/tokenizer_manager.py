@@ -45,8 +45,9 @@ that lands while a request on trial is in the step is blamed on it too: the
 price of never letting one request crash-loop the server.)
 
 Data-parallel replicas (``scheduler.replicas``): each replica is a scheduler
-and its own detokenizer; a ``Router`` picks the replica of each new request.
-When a replica goes down (``replica_down``: its scheduler or detokenizer
+and its own detokenizer, held with the ``Router`` that picks the replica of
+each new request by a ``ReplicaPool`` (``replica_pool.py``; a pool of one
+without replicas). When a replica goes down (``replica_down``: its scheduler or detokenizer
 crashed, hung, or it left the pool) its requests resume at once on the
 replicas still up, by the same protocol as after a restart — the old
 incarnation is aborted where it may still run — and only wait when no
@@ -60,7 +61,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -71,12 +72,11 @@ import trio
 from actors import Actor, CallError, Context, SoftWatchdog, WatchdogTimeout
 
 from .inputs import DuplicateRequestError, Expander, GenerateInput, InvalidRequest, RequestLimits, SubRequest
-from .journal import journal_path, read_step
+from .journal import read_step
 from .messages import (
     AbortReq,
     AbortWhere,
     BatchStrOut,
-    DetokenizerInfoReq,
     FinishReason,
     ForgetRequests,
     GenerateReq,
@@ -86,7 +86,7 @@ from .messages import (
     TokenizerInbox,
     WireCheck,
 )
-from .router import Router
+from .replica_pool import ReplicaPool
 
 __all__ = ["Admission", "Chunk", "DuplicateRequestError", "GenerateInput", "InvalidRequest", "ReqState",
            "RequestLimits", "TokenizerManager", "fold"]
@@ -98,7 +98,6 @@ log = logging.getLogger(__name__)
 PROGRESS_TOKENS = 8
 PROBATION_GROUP = 4  # suspects tried together; a group that crashes the server is halved, down to one
 FORGIVEN_REPEATS = 2  # at most so many crashes per request are its own (see suspect_crashed), whatever the quarantine
-REMOTE_PROBE_S = 0.5  # how often a remote replica is asked how it is
 
 
 @dataclass
@@ -185,26 +184,17 @@ class Admission:
 class TokenizerManager(Actor):
     inbox = TokenizerInbox
 
-    def __init__(self, tokenizer: Any, *, scheduler: str | Sequence[str],
-                 detokenizer: str | Sequence[str] | None = None, worker: int = 0,
-                 watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
+    def __init__(self, tokenizer: Any, *, replicas: ReplicaPool | None = None,
+                 scheduler: str | Sequence[str] | None = None, detokenizer: str | Sequence[str] | None = None,
+                 worker: int = 0, watchdog_timeout: float = 300.0, limits: RequestLimits = RequestLimits(),
                  quarantine_after: int = 2, trial_timeout: float = 60.0, hold_timeout: float = 60.0,
-                 journals: Sequence[str | None] | None = None,
-                 request_timeout: float | None = None, router: Router | None = None,
-                 remote: Collection[int] = (), remote_timeout: float | None = None,
-                 serving: Collection[int] | None = None,
+                 request_timeout: float | None = None,
                  on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
-                 on_remote: Callable[[int, bool, str], None] | None = None,
                  on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> None:
-        """``scheduler`` / ``detokenizer``: the address of each replica's (one, or a list);
-        ``serving``: the replicas up now (default: all); ``remote``: those started elsewhere,
-        watched here (``on_remote(replica, up, cause)`` hears what is seen)."""
+        """``replicas``: where requests go; or ``scheduler`` / ``detokenizer``: the address of each
+        replica's (one, or a list), a pool of them all up."""
         self.tokenizer = tokenizer
-        self.schedulers = [scheduler] if isinstance(scheduler, str) else list(scheduler)
-        self.detokenizers = [detokenizer] if isinstance(detokenizer, str) else list(detokenizer or [])
-        replicas = len(self.schedulers)
-        self.router = router or Router(replicas)
-        assert self.router.replicas == replicas and len(self.detokenizers) in (0, replicas)
+        self.replicas = replicas if replicas is not None else ReplicaPool.of(scheduler, detokenizer)  # type: ignore[arg-type]
         self.worker = worker
         # this incarnation: on start it ends, on every replica, what a previous one of ``worker`` left running
         self.boot = secrets.token_hex(6)
@@ -215,24 +205,18 @@ class TokenizerManager(Actor):
         self.rid_to_state: dict[str, ReqState] = {}
         self._admissions: set[Admission] = set()
         self._by_wire_rid: dict[str, ReqState] = {}
-        self.resumed = 0
+        self.resumed = 0  # incarnations sent to continue a request (after a restart, or elsewhere)
         self.migrated = 0  # resumed on another replica than the one they ran on
         self.quarantined = 0
         self.suspected = 0  # requests put on probation
-        self.up = [serving is None or i in serving for i in range(replicas)]  # replicas taking requests
-        self._any_up = trio.Event()
-        if any(self.up):
-            self._any_up.set()
         self._failed = False  # fail_all: the runtime gave up
-        # per replica, of the requests that finished there: prompt tokens, and those of them cached
-        self.prompt_tokens = [0] * replicas
-        self.cached_tokens = [0] * replicas
         self.on_stall = on_stall
         self.on_status = on_status  # a tokenizer worker: news of the runtime from the main process
+        several = len(self.replicas) > 1
         self.watchdogs = [
-            SoftWatchdog("tokenizer manager receive" + (f" (replica {i})" if replicas > 1 else ""),
+            SoftWatchdog("tokenizer manager receive" + (f" (replica {i})" if several else ""),
                          watchdog_timeout, busy=partial(self._busy, i), on_fire=partial(self._stalled, i))
-            for i in range(replicas)
+            for i in range(len(self.replicas))
         ]
         self._expander: Expander | None = None  # built once the context window is known
         self._wire = WireCheck()
@@ -243,31 +227,19 @@ class TokenizerManager(Actor):
         self._trials = 0  # trials begun or ended by a crash (a trial sending its group checks it)
         self.trial_timeout = trial_timeout
         self.hold_timeout = hold_timeout
-        # where each replica's scheduler journals its steps (None: it does not; see journal.py)
-        self.journals = list(journals) if journals is not None else [journal_path(a) for a in self.schedulers]
         self._no_probation = trio.Event()
         self._no_probation.set()
-        # replicas started elsewhere (``process: remote``): one that answers nothing for ``remote_timeout``
-        # s, or restarted, is down
-        self.remote = set(remote)
-        self.on_remote = on_remote
-        self._stalled_remote: set[int] = set()
-        # set while the replicas load new weights: they answer nothing else meanwhile, and are not dead
-        self.loading_weights = False
-        self.remote_timeout = watchdog_timeout if remote_timeout is None else remote_timeout
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
         self._running = True
         for watchdog in self.watchdogs:
             await ctx.nursery.start(watchdog.run)
-        for replica in sorted(self.remote):
-            ctx.nursery.start_soon(self._watch_remote, replica)
+        self.replicas.start(ctx)
         if self.request_timeout is not None:
             ctx.nursery.start_soon(self._end_unheard, self.request_timeout)
-        for replica, up in enumerate(self.up):
-            if up:
-                ctx.nursery.start_soon(self._end_orphans, replica)
+        for replica in self.replicas.serving():
+            ctx.nursery.start_soon(self._end_orphans, replica)
 
     async def _end_orphans(self, replica: int) -> None:
         """End on ``replica`` what an earlier incarnation of this tokenizer manager left running there (it
@@ -275,37 +247,25 @@ class TokenizerManager(Actor):
         this one sends carries its own ``boot`` and is spared."""
         message = "the front end that sent this request restarted"
         try:
-            count = await self.ctx.call(self.schedulers[replica], AbortWhere(worker=self.worker, message=message,
-                                                                              spare_boot=self.boot),
-                                        timeout=self.remote_timeout if replica in self.remote else 10.0)
+            count = await self.replicas.call(replica, AbortWhere(worker=self.worker, message=message,
+                                                                 spare_boot=self.boot),
+                                             timeout=self.replicas.remote_timeout if self.replicas[replica].remote
+                                             else 10.0)
         except (CallError, trio.TooSlowError) as exc:  # restarting, or not there: it holds nothing of ours
             log.info("replica %d was not asked to end an earlier front end's requests: %s", replica, exc)
             return
         if count:
             log.warning("replica %d ended %d requests an earlier front end left running", replica, count)
 
-    @property
-    def scheduler(self) -> str:
-        """The scheduler a question goes to: the first replica up (the first, when none is)."""
-        return self.schedulers[self._asked()]
-
-    @property
-    def detokenizer(self) -> str | None:
-        return self.detokenizers[self._asked()] if self.detokenizers else None
-
-    def _asked(self) -> int:
-        return next((i for i, up in enumerate(self.up) if up), 0)
-
     def _busy(self, replica: int) -> bool:
-        if len(self.schedulers) == 1:  # requests on their way in count: a stall keeps them out too
+        if len(self.replicas) == 1:  # requests on their way in count: a stall keeps them out too
             return bool(self.rid_to_state)
-        return self.router.load[replica] > 0
+        return self.replicas.load(replica) > 0
 
     def _stalled(self, replica: int, report: WatchdogTimeout) -> None:
-        log.error("no output for %g s with %d requests in flight%s", report.timeout, self.router.load[replica],
-                  f" on replica {replica}" if len(self.schedulers) > 1 else "")
-        if replica in self.remote:  # it may still answer questions: it is not taken back until it restarted
-            self._stalled_remote.add(replica)
+        log.error("no output for %g s with %d requests in flight%s", report.timeout, self.replicas.load(replica),
+                  f" on replica {replica}" if len(self.replicas) > 1 else "")
+        self.replicas.stalled(replica)
         if self.on_stall is not None:
             self.on_stall(report, replica)
 
@@ -314,36 +274,6 @@ class TokenizerManager(Actor):
         for i, watchdog in enumerate(self.watchdogs):
             if replica is None or i == replica:
                 watchdog.feed()
-
-    async def _watch_remote(self, replica: int) -> None:
-        """Ask a remote replica's scheduler and detokenizer how they are, every ``REMOTE_PROBE_S``:
-        up while both answer (within ``remote_timeout``) from the same processes as before."""
-        boots: tuple[str, str] | None = None
-        while True:
-            if self.loading_weights:
-                await trio.sleep(REMOTE_PROBE_S)
-                continue
-            try:
-                with trio.fail_after(self.remote_timeout):
-                    scheduler = await self.ctx.call(self.schedulers[replica], ServerInfoReq(),
-                                                    timeout=self.remote_timeout)
-                    detokenizer = await self.ctx.call(self.detokenizers[replica], DetokenizerInfoReq(),
-                                                      timeout=self.remote_timeout)
-                seen = (_boot(scheduler), _boot(detokenizer))
-            except (CallError, trio.TooSlowError) as exc:
-                seen = None
-                cause = f"replica {replica} does not answer in {self.remote_timeout:g} s: {exc}"
-            if self.on_remote is not None and not self.loading_weights:  # (a look begun before a load)
-                if seen is None:
-                    self.on_remote(replica, False, cause)
-                else:
-                    if boots is not None and seen != boots:  # restarted between two looks: what it ran is lost
-                        self.on_remote(replica, False, f"replica {replica} restarted")
-                        self._stalled_remote.discard(replica)
-                    if replica not in self._stalled_remote:  # one that stalled: back once it restarted
-                        self.on_remote(replica, True, "")
-                    boots = seen
-            await trio.sleep(REMOTE_PROBE_S)
 
     # -- outputs from the detokenizer --------------------------------------------------
 
@@ -385,8 +315,7 @@ class TokenizerManager(Actor):
                 out.top_logprobs[i] if out.top_logprobs else [],
             ))
             if state.finished is not None and replica is not None:
-                self.prompt_tokens[replica] += out.prompt_tokens[i]
-                self.cached_tokens[replica] += out.cached_tokens[i]
+                self.replicas.finished(replica, out.prompt_tokens[i], out.cached_tokens[i])
                 self._unassign(state)
             state.notify()
 
@@ -398,7 +327,7 @@ class TokenizerManager(Actor):
         if self._expander is None:
             async with self._asking:
                 if self._expander is None:
-                    answers = await self.call_replicas(ServerInfoReq(), timeout=10.0)
+                    answers = await self.replicas.call_all(ServerInfoReq(), timeout=10.0)
                     windows = [int(a["max_context_len"]) for a in answers.values()
                                if isinstance(a, dict) and isinstance(a.get("max_context_len"), int)]
                     if not windows or len(windows) < len(answers):  # one restarting: ask again next time
@@ -493,14 +422,13 @@ class TokenizerManager(Actor):
         Nothing awaits between choosing the incarnation and sending it; after the send, one that the
         client left meanwhile, or that another resume took over, is aborted where it went (N5)."""
         epoch = state.epoch
-        while not any(self.up) and not self._failed:
-            await self._any_up.wait()
+        await self.replicas.wait_any_up()
         if state.finished is not None or self._failed:  # ended while it waited
             return
         if state.epoch != epoch or state.replica is not None:  # another resume sent it while this one waited
             return
         tokens = state.prompt_ids + state.output_ids if resume else state.prompt_ids
-        replica = self.router.choose(tokens, [i for i, is_up in enumerate(self.up) if is_up])
+        replica = self.replicas.route(tokens)
         state.replica = replica
         replaces = old = previous = None
         if resume:
@@ -522,12 +450,13 @@ class TokenizerManager(Actor):
             self._unassign(state)
             state.end(FinishReason("abort", status_code=400, message=f"{problem} (this request cannot be sent)"))
             if replaces is not None:  # the incarnation it was to replace may still run there
-                await self.ctx.send(self.schedulers[replica], AbortReq(replaces, "its resume cannot be sent"))
+                await self.ctx.send(self.replicas[replica].scheduler, AbortReq(replaces, "its resume cannot be sent"))
             return
-        await self.ctx.send(self.schedulers[replica], request)
+        await self.ctx.send(self.replicas[replica].scheduler, request)
+        self.resumed += resume
         if state.finished is not None or state.epoch != epoch + resume:  # the client left, or it resumed again
             with trio.move_on_after(1.0):  # (an abort of a rid already ended is nothing to the scheduler)
-                await self.ctx.send(self.schedulers[replica], AbortReq(request.rid, "ended while it was sent"))
+                await self.ctx.send(self.replicas[replica].scheduler, AbortReq(request.rid, "ended while it was sent"))
         if old is not None and previous is not None:
             await self._end_old(old, previous, replica)
 
@@ -535,10 +464,11 @@ class TokenizerManager(Actor):
         """End incarnation ``old`` on ``last_replica``, after its resume went to ``replica``: it may still
         run there (only its detokenizer crashed), or hold the abort in a socket's queue for its restart
         (a dead replica costs at most a moment)."""
+        last = self.replicas[last_replica]
         with trio.move_on_after(1.0):
-            await self.ctx.send(self.schedulers[last_replica], AbortReq(old, f"resumed on replica {replica}"))
-            if self.detokenizers:  # which, if it lives on, still holds its decoding state
-                await self.ctx.send(self.detokenizers[last_replica], ForgetRequests([old]))
+            await self.ctx.send(last.scheduler, AbortReq(old, f"resumed on replica {replica}"))
+            if last.detokenizer is not None:  # which, if it lives on, still holds its decoding state
+                await self.ctx.send(last.detokenizer, ForgetRequests([old]))
 
     def _request(self, state: ReqState, *, resume: bool = False, replaces: str | None = None,
                  alone: bool = False) -> GenerateReq:
@@ -553,12 +483,12 @@ class TokenizerManager(Actor):
     def _unassign(self, state: ReqState) -> None:
         """``state`` no longer runs on its replica (it ended there, or must resume elsewhere)."""
         if state.replica is not None:
-            self.router.release(state.replica)
+            self.replicas.release(state.replica)
             state.last_replica, state.replica = state.replica, None
 
     async def _abort_downstream(self, state: ReqState, message: str) -> None:
         if state.replica is not None:
-            await self.ctx.send(self.schedulers[state.replica], AbortReq(state.wire_rid, message))
+            await self.ctx.send(self.replicas[state.replica].scheduler, AbortReq(state.wire_rid, message))
 
     async def abort(self, rid: str, message: str = "aborted by request") -> bool:
         """Abort a request by id; False when no such request is in flight.
@@ -609,18 +539,13 @@ class TokenizerManager(Actor):
         """``replica`` lost its requests (``crash``: how): they resume at once on the replicas
         up, or on the first to come up. ``cache_lost``: its scheduler restarts (forget what
         was routed there)."""
-        self.up[replica] = False
-        if not any(self.up) and self._any_up.is_set():
-            self._any_up = trio.Event()
-        if cache_lost:
-            self.router.forget(replica)
+        self.replicas.set_down(replica, cache_lost=cache_lost)
         return await self._resume(crash, lambda r: r == replica)
 
     def replica_up(self, replica: int) -> None:
         """``replica`` takes requests again (back after a restart)."""
         self.watchdogs[replica].feed()
-        self.up[replica] = True
-        self._any_up.set()
+        self.replicas.set_up(replica)
         self._expander = None  # its context window counts too (N16)
         if self._running:  # (a remote one may still run what an earlier front end sent it)
             self.ctx.nursery.start_soon(self._end_orphans, replica)
@@ -665,7 +590,6 @@ class TokenizerManager(Actor):
         if self._suspects and self._no_probation.is_set():
             self._no_probation = trio.Event()
             self.ctx.nursery.start_soon(self._run_probation)
-        self.resumed += len(in_flight) + len(tried)
         if in_flight or tried:
             log.warning("resumed %d requests in flight", len(in_flight) + len(tried))
         return len(in_flight) + len(tried)
@@ -681,7 +605,7 @@ class TokenizerManager(Actor):
         for state in in_flight:
             replica = state.replica
             if replica not in steps:
-                steps[replica] = read_step(self.journals[replica])
+                steps[replica] = read_step(self.replicas[replica].journal)
             step = steps[replica]
             if step is None or state.wire_rid in step:
                 blamed.append(state)
@@ -721,9 +645,9 @@ class TokenizerManager(Actor):
         request takes at most ``min(quarantine_after, FORGIVEN_REPEATS)`` such crashes before it is held and
         tried alone, where one more convicts it. So two poisons cost two counted crashes, like one, and the
         server stays up; a crash loop that names no suspect, or a quarantine set very high, still counts."""
-        if not 0 <= replica < len(self.journals):
+        if not 0 <= replica < len(self.replicas):
             return False
-        step = read_step(self.journals[replica])
+        step = read_step(self.replicas[replica].journal)
         repeats = min(self.quarantine_after, FORGIVEN_REPEATS)  # (a quarantine turned off does not turn this on)
         trial = set(self._on_trial)
         return bool(step) and any(
@@ -745,7 +669,7 @@ class TokenizerManager(Actor):
                 state.end(FinishReason("abort", message=message, status_code=status_code))
                 count += 1
         self._failed = True
-        self._any_up.set()  # what waits for a replica ends
+        self.replicas.close()  # what waits for a replica ends
         self._suspects.clear()
         if self._trial is not None:
             self._trial.cancel()
@@ -755,35 +679,11 @@ class TokenizerManager(Actor):
     # -- questions to the replicas ---------------------------------------------------------
 
     async def call_scheduler(self, msg: Any, *, timeout: float = 10.0) -> Any:
-        return await self.ctx.call(self.scheduler, msg, timeout=timeout)
+        """Ask the scheduler of the first replica up."""
+        return await self.replicas.call(self.replicas.asked(), msg, timeout=timeout)
 
     async def call_detokenizer(self, msg: Any, *, timeout: float = 10.0) -> Any:
-        if self.detokenizer is None:
-            raise CallError("no detokenizer address given")
-        return await self.ctx.call(self.detokenizer, msg, timeout=timeout)
-
-    async def call_replicas(self, msg: Any, *, timeout: float = 10.0, detokenizer: bool = False) -> dict[int, Any]:
-        """Ask the scheduler (or the detokenizer) of every replica up, at once: each one's answer
-        or the ``CallError`` it gave."""
-        answers: dict[int, Any] = {}
-
-        async def ask(i: int) -> None:
-            try:
-                address = self.detokenizers[i] if detokenizer else self.schedulers[i]
-                answers[i] = await self.ctx.call(address, msg, timeout=timeout)
-            except CallError as exc:
-                answers[i] = exc
-
-        async with trio.open_nursery() as nursery:
-            for i, up in enumerate(self.up):
-                if up:
-                    nursery.start_soon(ask, i)
-        return answers
-
-
-def _boot(answer: Any) -> Any:
-    """The boot id in a replica's info answer; None when it gives none (another build, a proxy)."""
-    return answer.get("boot") if isinstance(answer, dict) else None
+        return await self.replicas.call(self.replicas.asked(), msg, timeout=timeout, detokenizer=True)
 
 
 def blames(crash: str) -> bool:

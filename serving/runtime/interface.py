@@ -99,25 +99,36 @@ class StatusTracker:
         """Record one supervisor event. When the requests in flight must be resumed
         (a scheduler or detokenizer is back after a crash), what crashed and why;
         else None. Escalation is the runtime's to handle: it fails (``fail``)."""
-        if event.child == "scheduler":
-            if event.kind in ("crashed", "exited", "restarting") and self._up.is_set():
-                self._up = trio.Event()
-            elif event.kind == "started":
-                self._up.set()
+        if event.child == "scheduler" and event.kind in ("crashed", "exited", "restarting", "started"):
+            self._set_up(event.kind == "started")
         if event.kind == "crashed":
-            self._crashed_at[event.child] = trio.current_time()
             self._crash_cause[event.child] = f"the {event.child} crashed: {event.reason!r}"
-            key = (event.child, type(event.reason).__name__)
-            self.crashes[key] = self.crashes.get(key, 0) + 1
-        if event.kind != "started":
+        recovered = event.kind == "started" and event.child in self._crashed_at
+        self.record(event.child, event)
+        if not recovered:
             return None
-        self.starts[event.child] = self.starts.get(event.child, 0) + 1
-        self._start_seen.set()
-        if event.child not in self._crashed_at:
-            return None
-        self.recoveries.append(trio.current_time() - self._crashed_at.pop(event.child))
         cause = self._crash_cause.pop(event.child)
         return cause if event.child in RESUMING else None
+
+    def record(self, name: str, event: SupervisorEvent) -> None:
+        """The crash and start figures of one child's event (``name``: the child as the status names it):
+        crashes by cause, starts, and the time from a crash to the restarted child's readiness."""
+        if event.kind == "crashed":
+            self._crashed_at[name] = trio.current_time()
+            key = (name, type(event.reason).__name__)
+            self.crashes[key] = self.crashes.get(key, 0) + 1
+        elif event.kind == "started":
+            self.starts[name] = self.starts.get(name, 0) + 1
+            self._start_seen.set()
+            if name in self._crashed_at:
+                self.recoveries.append(trio.current_time() - self._crashed_at.pop(name))
+
+    def _set_up(self, up: bool) -> None:
+        """Whether the scheduler serves (``scheduler_up`` waits for it)."""
+        if up:
+            self._up.set()
+        elif self._up.is_set():
+            self._up = trio.Event()
 
     def fail(self, failure: BaseException) -> bool:
         """The runtime is beyond repair; False if it had already failed."""

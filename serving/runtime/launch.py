@@ -1,18 +1,22 @@
 """Starting a topology under supervision.
 
-``open_runtime(topology)`` starts the three managers — the scheduler and the
-detokenizer where the topology places them (this process over ``inproc://``,
+``open_runtime(topology)`` starts the three managers — each replica's scheduler
+and detokenizer where the topology places them (this process over ``inproc://``,
 or child processes over ``ipc://`` / ``tcp://``), the tokenizer manager here
 — under one supervisor, and yields a ``LocalRuntime``. Step by step:
 
 1. check the topology and load the tokenizer (in a thread);
 2. make a private runtime directory (``{runtime_dir}`` in addresses) and a hub;
-3. build the child specs in start order: scheduler, detokenizer, front end;
-4. build the supervisor, whose events feed the runtime's ``StatusTracker``;
+3. the replicas (``replicas.ReplicaSet``; one without ``scheduler.replicas``),
+   their status (``ReplicaStatus``) and the front end's child specs;
+4. the server's supervisor, built by the replica set: the replicas, then the
+   front end (the Ray replicas' supervisor, the tokenizer manager);
 5. run it until the caller is done, then stop the children in reverse order.
 
-After a scheduler or detokenizer restart the runtime resumes every request
-in flight; past the restart intensity it ends them all with an error.
+A replica that goes down (a crash or hang of its scheduler or detokenizer)
+has its requests resumed on the replicas up, or on itself once it is back;
+past the restart intensity the server ends them all with an error (with
+several replicas: once the last replica left the pool).
 ``serving.runtime.workers`` does the same with tokenizer worker processes
 as the front end.
 """
@@ -37,9 +41,10 @@ from transports import open_hub
 from ..managers.messages import ServerInfoReq, UpdateWeightsReq
 from ..managers.tokenizer_manager import TokenizerManager, blames
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
-from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus, replica_of
-from .specs import core_specs, make_supervisor
-from .topology import Topology, make_tokenizer_manager, tokenizer_source
+from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
+from .specs import core_specs
+from .frontend import make_tokenizer_manager
+from .topology import Topology, tokenizer_source
 
 __all__ = ["LocalRuntime", "Supervised", "core_specs", "open_runtime", "open_supervised"]
 
@@ -130,9 +135,10 @@ def killed_from_outside(reason: BaseException | None) -> bool:
 
 class LocalRuntime(Supervised):
     """A topology whose tokenizer manager runs in this process: the ``Runtime``
-    of a single-process server and of the offline Engine. With replicas
-    (``scheduler.replicas > 1``) each is a subtree of the supervisor, and a
-    replica going down moves its requests to the others (``serving.runtime.replicas``)."""
+    of a single-process server and of the offline Engine. Its replicas (one,
+    without ``scheduler.replicas``) are a ``ReplicaSet`` in its supervisor, and
+    a replica going down moves its requests to the others, or has them wait
+    until it is back (``serving.runtime.replicas``)."""
 
     worker = None
 
@@ -141,36 +147,24 @@ class LocalRuntime(Supervised):
         super().__init__(topology, tokenizer, runtime_dir)
         self.gate = Gate()
         self._nursery = nursery
-        self.replicas: ReplicaSet | None = None
-        grace = topology.supervision.shutdown_grace
-        bind = topology.actors.tokenizer.bind
-        tokenizer_spec = ChildSpec("tokenizer", lambda: ActorChild(
-            self._tm.build, self.addresses["tokenizer"], hub,
-            bind=bind and bind.replace("{runtime_dir}", str(runtime_dir))), shutdown=grace)
+        self._tm = TokenizerManagerSlot(self._new_tokenizer_manager)
         workers = [self.addresses["tokenizer"]]
-        if not topology.replicated:
-            replicas = None
-            specs = core_specs(topology, self.addresses, workers, hub, tokenizer, lambda: self.weights)
-        else:
-            placements = topology.replica_placements()
-            self.replicas = ReplicaSet(
-                topology, runtime_dir,
-                lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
-                                                placements[i]),
-                lambda name, specs: make_supervisor(topology, specs, self._on_event, name,
-                                                    partial(self._convicts, replica_of(name) or 0)))
-            replicas, specs = self.replicas.addresses, self.replicas.specs
-            if topology.server.launcher == "ray":
-                from .ray_launcher import ray_specs  # (Ray is imported only when it launches)
+        placements = topology.replica_placements()
+        self.replicas = ReplicaSet(
+            topology, runtime_dir,
+            lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
+                                            placements[i]),
+            self._on_event, lambda i: partial(self._convicts, i))
+        self.status = ReplicaStatus(self.replicas, self._replica_changed)
+        bind = topology.actors.tokenizer.bind
+        front = [ChildSpec("tokenizer", lambda: ActorChild(
+            self._tm.build, self.addresses["tokenizer"], hub,
+            bind=bind and bind.replace("{runtime_dir}", str(runtime_dir))), shutdown=topology.supervision.shutdown_grace)]
+        if topology.server.launcher == "ray":
+            from .ray_launcher import ray_specs  # (Ray is imported only when it launches)
 
-                specs = [*specs, *ray_specs(topology, self._ray_started, self._ray_lost)]
-        self._tm = TokenizerManagerSlot(lambda: self._new_tokenizer_manager(replicas))
-        self.supervisor = make_supervisor(topology, [*specs, tokenizer_spec], self._on_event,
-                                          forgive=partial(self._convicts, 0) if self.replicas is None else None)
-        if self.replicas is None:
-            self.status = StatusTracker(self.supervisor)
-        else:
-            self.status = ReplicaStatus(self.supervisor, self.replicas, self._replica_changed)
+            front = [*ray_specs(topology, self._ray_started, self._ray_lost), *front]
+        self.supervisor = self.replicas.server(front)
 
     def _convicts(self, replica: int, child: str, reason: BaseException | None) -> bool:
         """Whether a crash of ``child`` (of ``replica``) is one more by a request already blamed for an
@@ -185,11 +179,9 @@ class LocalRuntime(Supervised):
             return False
         return self._tm.current.suspect_crashed(replica)
 
-    def _new_tokenizer_manager(self, replicas: list[dict[str, str]] | None) -> TokenizerManager:
-        if not isinstance(self.status, ReplicaStatus):
-            return make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, on_stall=self.kill_scheduler)
+    def _new_tokenizer_manager(self) -> TokenizerManager:
         # (a restarted tokenizer manager starts from things as they stand)
-        return make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=replicas,
+        return make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=self.replicas.addresses,
                                       serving=self.status.serving, on_stall=self.kill_scheduler,
                                       on_remote=self.status.remote_seen)
 
@@ -198,20 +190,20 @@ class LocalRuntime(Supervised):
         return self._tm.current
 
     def kill_scheduler(self, reason: BaseException, replica: int = 0) -> None:
-        if self.replicas is None:
-            super().kill_scheduler(reason)
-            return
+        """Replica ``replica``'s outputs stalled: restart its scheduler, and move its requests now, not once
+        the hung process is dead (that can take the kill's grace). Not while its detokenizer restarts: no
+        output can come until it is back, and the scheduler is not to blame."""
         if replica in self.status.remote:  # not ours to kill: its own watchdogs restart it; its requests move
             self.status.mark_down(replica, f"replica {replica} stalled: {reason!r}", cache_lost=True)
             return
         supervisor = self.replicas.supervisors[replica]
         if supervisor is None or "detokenizer" not in supervisor.running():
-            log.warning("replica %d: outputs stalled while its detokenizer restarts; its scheduler is left alone "
-                        "(%s)", replica, reason)
+            log.warning("outputs stalled while the %s restarts; the scheduler is left alone (%s)",
+                        self.replicas.name("detokenizer", replica), reason)
             return
         if supervisor.kill("scheduler", reason):
-            # its requests move now, not once the hung process is dead (that can take the kill's grace)
-            self.status.mark_down(replica, f"the scheduler-{replica} hung: {reason!r}", cache_lost=True)
+            name = self.replicas.name("scheduler", replica)
+            self.status.mark_down(replica, f"the {name} hung: {reason!r}", cache_lost=True)
 
     async def set_paused(self, paused: bool) -> None:
         self.gate.set_closed(paused)
@@ -230,21 +222,13 @@ class LocalRuntime(Supervised):
         return result
 
     async def _load_weights(self, path: str) -> dict[str, Any]:
-        tm = self.tokenizer_manager
-        if self.replicas is None:
-            try:
-                return await tm.call_scheduler(UpdateWeightsReq(path), timeout=600.0)
-            except CallError as exc:  # no answer in time: unknown, not failed; ask which weights serve now
-                return await self._weights_after(tm.schedulers[0], path, exc)
-        tm.loading_weights = True  # (the remote ones' watch: a replica loading weights answers nothing else)
-        try:
-            answers = await tm.call_replicas(UpdateWeightsReq(path), timeout=600.0)
-        finally:
-            tm.loading_weights = False
+        replicas = self.tokenizer_manager.replicas
+        with replicas.loading():  # (the remote ones' watch: a replica loading weights answers nothing else)
+            answers = await replicas.call_all(UpdateWeightsReq(path), timeout=600.0)
         for i, answer in answers.items():
             if isinstance(answer, CallError):  # no answer in time: unknown, not failed; ask again
                 try:
-                    answers[i] = await self._weights_after(tm.schedulers[i], path, answer)
+                    answers[i] = await self._weights_after(i, path, answer)
                 except CallError as exc:
                     answers[i] = exc
         loaded = [i for i, a in answers.items() if not isinstance(a, BaseException) and a["success"]]
@@ -259,10 +243,7 @@ class LocalRuntime(Supervised):
         return answers[loaded[0]]
 
     def _changed(self, event: SupervisorEvent, *, crash: str | None) -> None:
-        if crash is not None and self._tm.started:
-            tm = self._tm.current
-            tm.feed_watchdogs()  # the restarted child gets a full timeout
-            self._nursery.start_soon(tm.resubmit_in_flight, crash)
+        """(Nothing: what an event changes reaches the tokenizer manager as a replica's change.)"""
 
     def _replica_changed(self, change: str, replica: int, cause: str, cache_lost: bool) -> None:
         if change == "gone" and not self.status.pool:
@@ -281,13 +262,13 @@ class LocalRuntime(Supervised):
         else:
             log.error("%s; %d replicas serve on", cause, len(self.status.pool))
 
-    async def _weights_after(self, scheduler: str, path: str, error: CallError, tries: int = 3) -> dict[str, Any]:
-        """The outcome of a load of ``path`` whose answer did not come (``error``): the scheduler is asked
-        which weights it serves (it answers once the load is over), up to ``tries`` times."""
-        tm = self._tm.current
+    async def _weights_after(self, replica: int, path: str, error: CallError, tries: int = 3) -> dict[str, Any]:
+        """The outcome of a load of ``path`` whose answer did not come (``error``): ``replica``'s scheduler is
+        asked which weights it serves (it answers once the load is over), up to ``tries`` times."""
+        replicas = self._tm.current.replicas
         for _ in range(tries):
             try:
-                info = await tm.ctx.call(scheduler, ServerInfoReq(), timeout=600.0)
+                info = await replicas.call(replica, ServerInfoReq(), timeout=600.0)
             except CallError as exc:
                 error = exc
                 continue
@@ -304,12 +285,12 @@ class LocalRuntime(Supervised):
         reports them: path and digest; an update made them current), so every replica answers alike."""
         tm = self._tm.current
         try:
-            info = await tm.ctx.call(tm.schedulers[replica], ServerInfoReq(), timeout=600.0)
+            info = await tm.replicas.call(replica, ServerInfoReq(), timeout=600.0)
             weights = info.get("weights") or {}
             if weights.get("path") == self.weights and self.weights_digest in (None, weights.get("digest")):
                 tm.replica_up(replica)
                 return
-            result = await tm.ctx.call(tm.schedulers[replica], UpdateWeightsReq(self.weights), timeout=600.0)
+            result = await tm.replicas.call(replica, UpdateWeightsReq(self.weights), timeout=600.0)
         except CallError as exc:
             result = {"success": False, "message": str(exc)}
         if result["success"]:
@@ -324,8 +305,7 @@ class LocalRuntime(Supervised):
         moved = {part: addresses[part] for part in current if addresses[part] != current[part]}
         current.update(moved)
         if moved and self._tm.started:
-            tm = self._tm.current
-            tm.schedulers[replica], tm.detokenizers[replica] = current["scheduler"], current["detokenizer"]
+            self._tm.current.replicas.set_addresses(replica, current["scheduler"], current["detokenizer"])
 
     def _ray_lost(self, replica: int, cause: str) -> None:
         self.status.mark_down(replica, cause, cache_lost=True)

@@ -1,18 +1,23 @@
-"""Data-parallel replicas (``scheduler.replicas: N``, ``tercet serve --dp-size N``).
+"""The replicas a server starts and watches (``scheduler.replicas: N``, ``tercet serve --dp-size N``).
 
-A replica is a scheduler and its own detokenizer under a supervisor of their
-own (``replica-i``), a child of the server's supervisor. A detokenizer per
-replica, not one shared: the stop strings it finds go back to its own
-scheduler, a crash of one loses one replica's outputs only, and a replica
-is one unit to place (one pod, one Ray node). Within a replica the
-topology's supervision applies; a replica past its restart intensity leaves
-the pool (its supervisor's child spec is temporary) and the server serves
-on while any replica is in the pool.
+A replica is a scheduler and its own detokenizer. A detokenizer per replica,
+not one shared: the stop strings it finds go back to its own scheduler, a
+crash of one loses one replica's outputs only, and a replica is one unit to
+place (one pod, one Ray node). A server without replicas is a set of one.
+
+``ReplicaSet`` builds the server's supervisor with the replicas in it. One
+replica started here runs its two parts as children of the server's supervisor
+(named ``scheduler`` and ``detokenizer``; past the restart intensity the
+server fails). Several run each under a supervisor of its own (``replica-i``,
+its parts named ``scheduler-i``, ``detokenizer-i``) within the topology's
+supervision; a replica past its intensity leaves the pool (its supervisor's
+child spec is temporary) and the server serves on while any replica is in it.
+Replicas started elsewhere (``process: remote``) are not children here.
 
 ``ReplicaStatus`` turns the supervisors' events into what the tokenizer
 manager must do: a replica is *down* from the first crash of its scheduler
-or detokenizer (its requests resume elsewhere at once), *up* again once
-both run, and *gone* when it left the pool.
+or detokenizer (its requests resume elsewhere at once, or on it once it is
+back), *up* again once both run, and *gone* when it left the pool.
 """
 
 from __future__ import annotations
@@ -43,28 +48,59 @@ class NoReplicaLeft(Exception):
 
 
 class ReplicaSet:
-    """The replicas' child specs for the server's supervisor, and their running supervisors."""
+    """The replicas of ``topology``: each one's addresses, and the supervisor its parts run under.
+    ``make_specs(i, addresses)``: replica ``i``'s child specs; ``observer``: every supervisor's events;
+    ``forgive(i)``: replica ``i``'s supervisor's ``forgive`` (see ``actors.Supervisor``)."""
 
     def __init__(self, topology: Topology, runtime_dir: Path,
                  make_specs: Callable[[int, dict[str, str]], list[ChildSpec]],
-                 make_supervisor: Callable[[str, list[ChildSpec]], Supervisor]) -> None:
+                 observer: Callable[[SupervisorEvent], None],
+                 forgive: Callable[[int], Callable[[str, BaseException | None], bool]]) -> None:
+        self.topology = topology
         self.addresses = topology.replica_addresses(runtime_dir)
-        self.supervisors: list[Supervisor | None] = [None] * len(self.addresses)
         self.remote = {i for i, r in enumerate(topology.replica_placements()) if r.scheduler.process == "remote"}
+        self.supervisors: list[Supervisor | None] = [None] * len(self.addresses)
         self._make_specs = make_specs
-        self._make_supervisor = make_supervisor
+        self._observer = observer
+        self._forgive = forgive
+        # one replica started here: its parts are the server's own children, as without replicas
+        self.flat = len(self.addresses) == 1 and not self.remote
         grace = topology.supervision.shutdown_grace
         # a replica's supervisor stops its two children one after the other; remote ones are not ours
-        self.specs = [ChildSpec(f"replica-{i}", self._starter(i), restart=Restart.TEMPORARY, shutdown=2 * grace + 1)
-                      for i in range(len(self.addresses)) if i not in self.remote]
+        self.specs = [] if self.flat else [
+            ChildSpec(f"replica-{i}", self._starter(i), restart=Restart.TEMPORARY, shutdown=2 * grace + 1)
+            for i in range(len(self.addresses)) if i not in self.remote]
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    def server(self, specs: list[ChildSpec]) -> Supervisor:
+        """The server's supervisor: the replicas started here, then ``specs`` (the front end's children)."""
+        if not self.flat:
+            return make_supervisor(self.topology, [*self.specs, *specs], self._observer, "server")
+        supervisor = make_supervisor(self.topology, [*self._make_specs(0, self.addresses[0]), *specs],
+                                     self._observer, "server", self._forgive(0))
+        self.supervisors[0] = supervisor
+        return supervisor
 
     def _starter(self, index: int) -> Callable[[], Supervisor]:
         def start() -> Supervisor:
-            supervisor = self._make_supervisor(f"replica-{index}", self._make_specs(index, self.addresses[index]))
+            supervisor = make_supervisor(self.topology, self._make_specs(index, self.addresses[index]),
+                                         self._observer, f"replica-{index}", self._forgive(index))
             self.supervisors[index] = supervisor
             return supervisor
 
         return start
+
+    def index_of(self, supervisor: str) -> int | None:
+        """The replica whose parts ``supervisor`` (a name) runs; None for another supervisor."""
+        if self.flat:
+            return 0 if supervisor == "server" else None
+        return replica_of(supervisor)
+
+    def name(self, part: str, index: int) -> str:
+        """``part`` of replica ``index`` as the status names it."""
+        return part if self.flat else f"{part}-{index}"
 
     def running(self, index: int) -> list[str]:
         supervisor = self.supervisors[index]
@@ -77,69 +113,62 @@ def replica_of(supervisor_or_child: str) -> int | None:
 
 
 class ReplicaStatus(StatusTracker):
-    """The status of a server with replicas. Actors are named per replica (``scheduler-1``);
-    the scheduler "is running" while any replica serves. ``on_change(change, replica, cause,
-    cache_lost)`` hears when a replica goes down, comes up or leaves the pool."""
+    """The status of a server's replicas. The scheduler "is running" while any replica serves.
+    ``on_change(change, replica, cause, cache_lost)`` hears when a replica goes down, comes up
+    or leaves the pool."""
 
-    def __init__(self, supervisor: Supervisor, replicas: ReplicaSet,
-                 on_change: Callable[[Change, int, str, bool], None]) -> None:
-        super().__init__(supervisor)
+    def __init__(self, replicas: ReplicaSet, on_change: Callable[[Change, int, str, bool], None]) -> None:
+        super().__init__()
         self.replicas = replicas
         self.on_change = on_change
-        n = len(replicas.addresses)
-        self.pool = set(range(n))  # not gone
+        self.pool = set(range(len(replicas)))  # not gone
         self.serving: set[int] = set()  # in the pool, with both parts running
         self.remote = set(replicas.remote)  # started elsewhere: up while they answer (``remote_seen``)
         self._down: set[int] = set(self.remote)  # lost their requests, not back yet (remote: not seen yet)
         self._restarts_seen: dict[str, int] = {}
-        self._up = trio.Event()  # nothing serves until the replicas start
+        self._set_up(False)  # nothing serves until the replicas start
 
     @property
     def restarts(self) -> dict[str, int]:
         for i, supervisor in enumerate(self.replicas.supervisors):
             if supervisor is not None:
-                for part, count in supervisor.restarts.items():
-                    self._restarts_seen[f"{part}-{i}"] = count
+                for child, count in supervisor.restarts.items():
+                    self._restarts_seen[self.replicas.name(child, i) if child in PARTS else child] = count
         return dict(self._restarts_seen)
 
     def pids(self) -> dict[str, int]:
         pids = {}
         for i, supervisor in enumerate(self.replicas.supervisors):
             if supervisor is not None:
-                for part in supervisor.running():
-                    pid = getattr(supervisor.child(part), "pid", None)
+                for child in supervisor.running():
+                    pid = getattr(supervisor.child(child), "pid", None)
                     if pid:
-                        pids[f"{part}-{i}"] = pid
+                        pids[self.replicas.name(child, i) if child in PARTS else child] = pid
         return pids
 
     def scheduler_running(self) -> bool:
         return self.failure is None and bool(self.serving)
 
     def observe(self, event: SupervisorEvent) -> str | None:
-        replica = replica_of(event.supervisor)
+        replica = self.replicas.index_of(event.supervisor)
         if replica is not None and event.child in PARTS:
             self._part_event(replica, event)
         elif (gone := replica_of(event.child)) is not None and event.kind in ("crashed", "exited"):
             self.pool.discard(gone)
             self._serving(gone, False)
             self.on_change("gone", gone, f"replica {gone} left the pool: {event.reason!r}", True)
+        else:  # the front end's own children
+            self.record(event.child, event)
         return None
 
     def _part_event(self, replica: int, event: SupervisorEvent) -> None:
-        name = f"{event.child}-{replica}"
-        if event.kind == "crashed":
-            self._crashed_at[name] = trio.current_time()
-            key = (name, type(event.reason).__name__)
-            self.crashes[key] = self.crashes.get(key, 0) + 1
+        name = self.replicas.name(event.child, replica)
+        self.record(name, event)
         if event.kind in ("crashed", "exited"):
             self.mark_down(replica, f"the {name} crashed: {event.reason!r}", cache_lost=event.child == "scheduler")
         elif event.kind in ("restarting", "stopped"):
             self._serving(replica, False)
         elif event.kind == "started":
-            self.starts[name] = self.starts.get(name, 0) + 1
-            self._start_seen.set()
-            if name in self._crashed_at:
-                self.recoveries.append(trio.current_time() - self._crashed_at.pop(name))
             if set(PARTS) <= set(self.replicas.running(replica)) and replica in self.pool:
                 self._serving(replica, True)
                 if replica in self._down:
@@ -165,11 +194,9 @@ class ReplicaStatus(StatusTracker):
     def _serving(self, replica: int, serving: bool) -> None:
         if serving:
             self.serving.add(replica)
-            self._up.set()
         else:
             self.serving.discard(replica)
-            if not self.serving and self._up.is_set():
-                self._up = trio.Event()
+        self._set_up(bool(self.serving))
 
 
 async def run_replica(topology: Topology, index: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

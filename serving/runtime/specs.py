@@ -8,15 +8,39 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import torch
 
 from actors import ActorChild, Backoff, ChildSpec, Supervisor, SupervisorEvent
 from actors.process import ProcessChild
 
 from ..managers.detokenizer import DetokenizerManager
 from ..managers.scheduler import Scheduler, SchedulerConfig
-from .topology import ReplicaPlacement, Topology, tokenizer_source
+from .topology import ReplicaPlacement, Topology, parse_size, tokenizer_source
 
-__all__ = ["core_specs", "make_supervisor"]
+__all__ = ["core_specs", "make_supervisor", "scheduler_config", "scheduler_threads"]
+
+
+def scheduler_threads(topology: Topology) -> int | None:
+    """``scheduler.threads``, or the cores shared among the replicas started on this host."""
+    local = topology.local_replicas()
+    if topology.scheduler.threads is not None or local <= 1:
+        return topology.scheduler.threads
+    return max(1, torch.get_num_threads() // local)
+
+
+def scheduler_config(topology: Topology, detokenizer: str) -> SchedulerConfig:
+    """What a scheduler of ``topology`` is started with (sending its outputs to ``detokenizer``)."""
+    s, model = topology.scheduler, topology.model
+    return SchedulerConfig(
+        model=model.path, dtype=model.dtype, device=model.device, page_size=s.page_size,
+        kv_budget_bytes=parse_size(s.kv_budget, "scheduler.kv_budget"),
+        max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
+        chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
+        stream_interval=s.stream_interval, enable_prefix_cache=s.enable_prefix_cache,
+        deterministic=s.enable_deterministic_inference,
+        step_timeout=topology.watchdogs.step_timeout, threads=scheduler_threads(topology),
+        detokenizer=detokenizer, tokenizer=tokenizer_source(model), weights_roots=topology.weights_roots(),
+    )
 
 
 def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str], hub: Any, tokenizer: Any,
@@ -29,7 +53,7 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
     the same): of one replica (default: the topology's only one). A remote placement
     runs here as a child process (``tercet replica`` starts it so)."""
     grace = topology.supervision.shutdown_grace
-    base = topology.scheduler_config(addresses["detokenizer"])
+    base = scheduler_config(topology, addresses["detokenizer"])
     placement = placement or topology.replica_placements()[0]
     sched, detok = placement.scheduler, placement.detokenizer
     binds = binds or addresses

@@ -5,29 +5,23 @@ A YAML file (see ``configs/``) is validated into ``Topology``; a mistake is a
 arrive as dotted overrides (``model.path``, ``server.port``, ...). Each link
 is ``inproc://``, ``ipc://`` or ``tcp://`` by its address; ``{runtime_dir}``
 in an address is a private temporary directory made at start. This module
-only reads and checks; ``serving.runtime.launch`` starts what it describes.
+is the schema only: it reads and checks, and imports neither torch nor the
+managers; ``specs`` says what to start (the scheduler's config among it),
+``frontend`` builds the tokenizer manager, ``launch`` starts and supervises.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import torch
 import yaml
 
-from actors import WatchdogTimeout
 from transports import Address, AddressError, CurveConfig, HubOptions
 
-from ..managers.messages import RuntimeStatus
-from ..managers.router import Router, RouterConfig
-from ..managers.scheduler import SchedulerConfig
-from ..managers.tokenizer_manager import RequestLimits, TokenizerManager
-
-__all__ = ["ReplicaPlacement", "Topology", "TopologyError", "load_topology", "make_tokenizer_manager", "parse_size",
+__all__ = ["ReplicaPlacement", "RouterSection", "Topology", "TopologyError", "load_topology", "parse_size",
            "tokenizer_source"]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -161,6 +155,17 @@ class ReplicaPlacement(msgspec.Struct, forbid_unknown_fields=True):
     detokenizer: Placement
 
 
+class RouterSection(msgspec.Struct, forbid_unknown_fields=True):
+    """How a request picks its replica (``serving.managers.router``, which takes these as its config)."""
+
+    policy: Literal["cache_aware", "round_robin", "shortest_queue"] = "cache_aware"
+    cache_threshold: float = 0.5  # the share of a prompt a replica's prefixes must cover to win it
+    balance_abs_threshold: int = 32  # requests in flight: both thresholds passed = imbalanced
+    balance_rel_threshold: float = 1.5
+    block_tokens: int = 16
+    max_blocks: int = 65536  # prefix keys kept per replica (8 bytes and a dict slot each)
+
+
 class ActorsSection(msgspec.Struct, forbid_unknown_fields=True):
     scheduler: Placement = msgspec.field(default_factory=lambda: Placement("inproc://scheduler"))
     detokenizer: Placement = msgspec.field(default_factory=lambda: Placement("inproc://detokenizer"))
@@ -178,7 +183,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
     watchdogs: WatchdogSection = msgspec.field(default_factory=WatchdogSection)
     transport: TransportSection = msgspec.field(default_factory=TransportSection)
     actors: ActorsSection = msgspec.field(default_factory=ActorsSection)
-    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    router: RouterSection = msgspec.field(default_factory=lambda: RouterSection())
 
     def check(self) -> None:
         problems = [
@@ -342,25 +347,9 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             return [f"{host}:{int(port) + i}" if int(port) else address for i in range(self.server.workers)]
         return [f"{address}-{i}" for i in range(self.server.workers)]
 
-    def scheduler_threads(self) -> int | None:
-        """``scheduler.threads``, or the cores shared among the replicas started on this host."""
-        local = sum(r.scheduler.process != "remote" for r in self.replica_placements())
-        if self.scheduler.threads is not None or local <= 1:
-            return self.scheduler.threads
-        return max(1, torch.get_num_threads() // local)
-
-    def scheduler_config(self, detokenizer: str) -> SchedulerConfig:
-        s = self.scheduler
-        return SchedulerConfig(
-            model=self.model.path, dtype=self.model.dtype, device=self.model.device, page_size=s.page_size,
-            kv_budget_bytes=parse_size(s.kv_budget, "scheduler.kv_budget"),
-            max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
-            chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
-            stream_interval=s.stream_interval, enable_prefix_cache=s.enable_prefix_cache,
-            deterministic=s.enable_deterministic_inference,
-            step_timeout=self.watchdogs.step_timeout, threads=self.scheduler_threads(),
-            detokenizer=detokenizer, tokenizer=tokenizer_source(self.model), weights_roots=self.weights_roots(),
-        )
+    def local_replicas(self) -> int:
+        """The replicas whose scheduler starts on this host (not ``process: remote``)."""
+        return sum(r.scheduler.process != "remote" for r in self.replica_placements())
 
     def weights_roots(self) -> list[str]:
         """Where new weights may come from, resolved: the model's own directory and ``server.weights_roots``
@@ -466,28 +455,3 @@ def tokenizer_source(model: ModelSection) -> str | None:
     if model.tokenizer is not None:
         return model.tokenizer
     return None if model.path in (None, "tiny") else model.path
-
-
-def make_tokenizer_manager(topology: Topology, tokenizer: Any, addresses: dict[str, str], *, worker: int = 0,
-                           replicas: list[dict[str, str]] | None = None, serving: Collection[int] | None = None,
-                           on_stall: Callable[[WatchdogTimeout, int], None] | None = None,
-                           on_remote: Callable[[int, bool, str], None] | None = None,
-                           on_status: Callable[[RuntimeStatus], Awaitable[None]] | None = None) -> TokenizerManager:
-    """The tokenizer manager (of tokenizer worker ``worker``) that ``topology`` describes;
-    ``replicas``: each replica's addresses (default: the one in ``addresses``), ``serving``:
-    those up now (default: all)."""
-    server = topology.server
-    limits = RequestLimits(server.max_batch_size, server.max_samples, server.max_stop_strings,
-                           server.max_stop_length, max_logprobs=server.max_logprobs)
-    replicas = replicas or [addresses]
-    return TokenizerManager(tokenizer, scheduler=[r["scheduler"] for r in replicas],
-                            detokenizer=[r["detokenizer"] for r in replicas],
-                            router=Router(len(replicas), topology.router), worker=worker,
-                            remote={i for i, r in enumerate(topology.replica_placements())
-                                    if r.scheduler.process == "remote"},
-                            remote_timeout=topology.watchdogs.remote_timeout, serving=serving, on_remote=on_remote,
-                            watchdog_timeout=topology.watchdogs.output_timeout, limits=limits,
-                            quarantine_after=topology.supervision.quarantine_after,
-                            trial_timeout=topology.supervision.trial_timeout, hold_timeout=server.request_wait,
-                            request_timeout=server.request_timeout,
-                            on_stall=on_stall, on_status=on_status)

@@ -62,7 +62,7 @@ async def test_replicas_on_two_ray_nodes_and_a_node_removed_mid_stream(nursery, 
     tm, status = runtime.tokenizer_manager, runtime.status
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         with trio.fail_after(120):
-            while tm.up != [True, True]:
+            while tm.replicas.up != [True, True]:
                 await trio.sleep(0.05)
         nodes = {node.node_id: node for node in cluster.list_all_nodes()}
         actor = runtime.supervisor.child("ray-replicas").child("ray-replica-1").actor
@@ -74,7 +74,7 @@ async def test_replicas_on_two_ray_nodes_and_a_node_removed_mid_stream(nursery, 
 
         texts, info = await stream_and_strike(app, client, bodies, remove_node, victim=1)
         assert texts == expected
-        assert tm.migrated > 0 and tm.up == [True, False] and 1 not in status.serving
+        assert tm.migrated > 0 and tm.replicas.up == [True, False] and 1 not in status.serving
         # /health answers from the monitor's last look: under load a look at the surviving replica
         # can time out while it takes the moved requests, so wait for a look made since (bounded)
         with trio.fail_after(30):
@@ -83,7 +83,7 @@ async def test_replicas_on_two_ray_nodes_and_a_node_removed_mid_stream(nursery, 
                 await trio.sleep(0.2)
         cluster.add_node(num_cpus=2, resources={"slot_b": 1})  # Ray restarts the actor there: it rejoins
         with trio.fail_after(120):
-            while not tm.up[1]:
+            while not tm.replicas.up[1]:
                 await trio.sleep(0.05)
 
 

@@ -137,8 +137,9 @@ async def test_shared_prefixes_land_where_they_are_cached(nursery):
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         for policy in ("cache_aware", "round_robin"):
             assert (await client.post("/flush_cache")).status_code == 200  # both replicas' caches
-            tm.router = Router(2, RouterConfig(policy=policy))
-            tm.prompt_tokens, tm.cached_tokens = [0, 0], [0, 0]
+            tm.replicas.router = Router(2, RouterConfig(policy=policy))
+            for replica in tm.replicas:
+                replica.prompt_tokens = replica.cached_tokens = 0
             for body in bodies:  # one after another: each sees what the previous left in the caches
                 assert (await client.post("/generate", json=body)).status_code == 200
             replicas = (await info_of(client))["replicas"]
@@ -185,9 +186,9 @@ async def test_a_replica_killed_mid_stream_has_its_requests_finished_by_the_othe
     assert texts == fault_free
     tm, status = app.state.server.runtime.tokenizer_manager, app.state.server.runtime.status
     assert status.starts["scheduler-1"] == 1 and info["restarts"]["scheduler-1"] == 0  # not back yet
-    assert tm.migrated > 0 and info["migrated"] == tm.migrated and tm.up == [True, False]
+    assert tm.migrated > 0 and info["migrated"] == tm.migrated and tm.replicas.up == [True, False]
     assert info["replicas"][1]["up"] is False and info["replicas"][1]["in_pool"] is True
-    assert tm.rid_to_state == {} and tm.router.load == [0, 0]
+    assert tm.rid_to_state == {} and tm.replicas.router.load == [0, 0]
     assert_drained(info)
 
 
@@ -248,12 +249,12 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
         assert texts == {b["rid"]: expected[b["rid"]] for b in lost} and tm.migrated > migrated
         assert_drained(info, stale_outputs=True)  # replica 1's scheduler: no request left in it either
         await status.started("detokenizer-1", 2)
-        assert tm.up == [True, True] and (await client.get("/health")).text == "OK: 2 of 2 replicas serving"
-        routed = tm.router.routed[1]
+        assert tm.replicas.up == [True, True] and (await client.get("/health")).text == "OK: 2 of 2 replicas serving"
+        routed = tm.replicas.router.routed[1]
         for _ in range(2):
             r = await client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
             assert r.status_code == 200, r.text
-        assert tm.router.routed[1] == routed + 1
+        assert tm.replicas.router.routed[1] == routed + 1
 
 
 # -- replicas started elsewhere (process: remote), as Kubernetes or Ray would ------------------
@@ -318,7 +319,7 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
     url, app = await start_server(nursery, str(config), **{"model.path": model_dirs["a"]})
     tm = app.state.server.runtime.tokenizer_manager
     status = app.state.server.runtime.status
-    assert tm.remote == {0, 1} and app.state.server.runtime.replicas.specs == []  # none started here
+    assert tm.replicas.remote == {0, 1} and app.state.server.runtime.replicas.specs == []  # none started here
 
     async def kill(app, client):
         os.killpg(replicas[1].pid, signal.SIGKILL)
@@ -334,7 +335,7 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
 
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         with trio.fail_after(120):
-            while tm.up != [True, True]:
+            while tm.replicas.up != [True, True]:
                 await trio.sleep(0.05)
         on_a = await both_answers(client)
         r = await client.post("/update_weights_from_disk", json={"model_path": model_dirs["b"]})
@@ -346,15 +347,15 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
         fault_free = {}
         await run_all(client, bodies, True, fault_free)
         texts, info = await stream_and_strike(app, client, bodies, kill, victim=1)
-        assert texts == fault_free and tm.migrated > 0 and tm.up == [True, False]
+        assert texts == fault_free and tm.migrated > 0 and tm.replicas.up == [True, False]
         assert (await client.get("/health")).text == "OK: 1 of 2 replicas serving"
         replicas[1] = await start_replica(nursery, config, 1)
         with trio.fail_after(120):
-            while not tm.up[1]:
+            while not tm.replicas.up[1]:
                 await trio.sleep(0.05)
         assert 1 in status.serving
-        routed = tm.router.routed[1]
+        routed = tm.replicas.router.routed[1]
         assert await both_answers(client) == on_b  # the restarted replica serves b too
-        assert tm.router.routed[1] == routed + 1
+        assert tm.replicas.router.routed[1] == routed + 1
     for process in replicas:
         process.send_signal(signal.SIGTERM)

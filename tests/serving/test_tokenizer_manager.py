@@ -7,6 +7,7 @@ import trio.testing
 
 from actors import CallError
 from serving.managers.messages import AbortReq, GenerateReq, SamplingParams
+from serving.managers.replica_pool import ReplicaPool
 from serving.managers.tokenizer_manager import GenerateInput, TokenizerManager
 
 
@@ -30,7 +31,7 @@ class RecordingContext:
 
 def manager(tokenizer, ctx):
     tm = TokenizerManager(tokenizer, scheduler="inproc://scheduler")
-    tm.ctx = ctx
+    tm.ctx = tm.replicas.ctx = ctx
     return tm
 
 
@@ -75,7 +76,7 @@ REPLICAS = ["inproc://s0", "inproc://s1", "inproc://s2"]
 async def test_a_migration_sends_the_resume_first_and_the_old_replica_abort_after(nursery, tokenizer):
     ctx = AddressedContext(nursery)
     tm = TokenizerManager(tokenizer, scheduler=REPLICAS[:2])
-    tm.ctx = ctx
+    tm.ctx = tm.replicas.ctx = ctx
     nursery.start_soon(drain, tm.generate(GenerateInput(input_ids=[5, 6], rid="m")), [])
     await trio.testing.wait_all_tasks_blocked()
     (first, _), = ctx.sent
@@ -98,7 +99,7 @@ async def test_a_client_that_leaves_while_its_resume_is_sent_leaves_nothing_runn
     aborted where it went once the send is done."""
     ctx = AddressedContext(nursery, block=2)  # the resume's GenerateReq
     tm = TokenizerManager(tokenizer, scheduler=REPLICAS[:2])
-    tm.ctx = ctx
+    tm.ctx = tm.replicas.ctx = ctx
     client = await nursery.start(consume, tm, GenerateInput(input_ids=[5, 6], rid="gone"))
     await trio.testing.wait_all_tasks_blocked()
     (first, _), = ctx.sent
@@ -121,7 +122,7 @@ async def test_one_wire_rid_never_runs_on_two_replicas(nursery, tokenizer):
     resume sends the next incarnation elsewhere, and the first aborts its own once sent."""
     ctx = AddressedContext(nursery, block=2)
     tm = TokenizerManager(tokenizer, scheduler=REPLICAS)
-    tm.ctx = ctx
+    tm.ctx = tm.replicas.ctx = ctx
     nursery.start_soon(drain, tm.generate(GenerateInput(input_ids=[5, 6], rid="r")), [])
     await trio.testing.wait_all_tasks_blocked()
     (first, _), = ctx.sent
@@ -213,8 +214,8 @@ def prober(nursery, tokenizer, tmp_path, **kwargs):
     from serving.managers.journal import StepJournal
 
     path = str(tmp_path / "scheduler.step")
-    tm = TokenizerManager(tokenizer, scheduler="ipc:///nowhere", journals=[path], **kwargs)
-    tm.ctx = RecordingContext(nursery)
+    tm = TokenizerManager(tokenizer, replicas=ReplicaPool.of("ipc:///nowhere", journals=[path]), **kwargs)
+    tm.ctx = tm.replicas.ctx = RecordingContext(nursery)
     tm.journal = StepJournal(path)
     return tm
 
@@ -269,7 +270,7 @@ async def test_losses_that_are_not_a_crash_of_a_step_blame_nobody(nursery, token
 
 async def test_without_a_journal_every_request_in_flight_is_blamed(nursery, tokenizer):
     tm = manager(tokenizer, RecordingContext(nursery))
-    assert tm.journals == [None]  # inproc: no journal
+    assert tm.replicas[0].journal is None  # inproc: no journal
     obj = GenerateInput(input_ids=[[5], [6]], sampling_params=SamplingParams(max_new_tokens=5))
     nursery.start_soon(drain, tm.generate(obj), [])
     await trio.testing.wait_all_tasks_blocked()
@@ -373,7 +374,7 @@ async def test_a_restarted_tokenizer_manager_ends_what_its_earlier_incarnation_l
         return 2
 
     ctx = AnsweringContext(nursery, answer)
-    tm = TokenizerManager(tokenizer, scheduler=REPLICAS, serving={0, 2}, worker=1)
+    tm = TokenizerManager(tokenizer, replicas=ReplicaPool.of(REPLICAS, serving={0, 2}), worker=1)
     await tm.on_start(ctx)
     await trio.testing.wait_all_tasks_blocked()
     assert sorted(a for a, _ in ctx.calls) == [REPLICAS[0], REPLICAS[2]]  # the replicas up
@@ -395,7 +396,7 @@ async def test_the_old_tokenizer_managers_streams_end_when_its_actor_restarts(nu
 
     slot = TokenizerManagerSlot(lambda: TokenizerManager(tokenizer, scheduler="inproc://scheduler"))
     old = slot.build()
-    old.ctx = RecordingContext(nursery)
+    old.ctx = old.replicas.ctx = RecordingContext(nursery)
     chunks = []
     nursery.start_soon(drain, old.generate(GenerateInput(input_ids=[5, 6], rid="r")), chunks)
     await trio.testing.wait_all_tasks_blocked()
@@ -408,11 +409,11 @@ async def test_the_old_tokenizer_managers_streams_end_when_its_actor_restarts(nu
 async def test_a_remote_replica_that_answers_without_a_boot_is_up_not_an_error(nursery, tokenizer, autojump_clock):
     seen = []
     ctx = AnsweringContext(nursery, lambda address, msg: {"waiting": 0})  # another build: no "boot"
-    tm = TokenizerManager(tokenizer, scheduler=REPLICAS[:1], detokenizer=["inproc://d0"], remote={0},
+    pool = ReplicaPool.of(REPLICAS[:1], ["inproc://d0"], remote={0},
                           on_remote=lambda replica, up, cause: seen.append((replica, up, cause)))
-    tm.ctx = ctx
+    pool.ctx = ctx
     with trio.move_on_after(2.0):
-        await tm._watch_remote(0)
+        await pool.watch_remote(0)
     assert seen and set(seen) == {(0, True, "")}
 
 
@@ -434,8 +435,8 @@ async def test_the_health_monitor_survives_any_exception_from_a_probe(autojump_c
 async def test_the_context_window_is_the_smallest_of_the_replicas_up(nursery, tokenizer):
     """N16: a request may migrate to any replica, so it is checked against the smallest window."""
     windows = {REPLICAS[0]: 8192, REPLICAS[1]: 2048, REPLICAS[2]: 1024}
-    tm = TokenizerManager(tokenizer, scheduler=REPLICAS, serving={0, 1})
-    tm.ctx = AnsweringContext(nursery, lambda address, msg: {"max_context_len": windows[address]})
+    tm = TokenizerManager(tokenizer, replicas=ReplicaPool.of(REPLICAS, serving={0, 1}))
+    tm.ctx = tm.replicas.ctx = AnsweringContext(nursery, lambda address, msg: {"max_context_len": windows[address]})
     assert (await tm.expander()).limits.context_len == 2048
     tm.replica_up(2)  # one that comes up later counts from the next request on
     assert (await tm.expander()).limits.context_len == 1024

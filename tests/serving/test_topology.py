@@ -5,6 +5,7 @@ import pytest
 
 from serving.cli import parser, topology_from
 from serving.managers.scheduler import resolve_device
+from serving.runtime.specs import scheduler_config
 from serving.runtime.topology import CONFIGS, TopologyError, load_topology, parse_size
 
 from ..conftest import free_tcp_port
@@ -74,7 +75,7 @@ def test_flags_override_the_file():
     topology = topology_from(args)
     assert topology.model.device == "cpu" and topology.model.dtype == "float32"
     assert topology.server.port == 8123 and topology.scheduler.max_running_requests == 7
-    assert topology.scheduler_config("inproc://d").device == "cpu"
+    assert scheduler_config(topology, "inproc://d").device == "cpu"
     assert load_topology("default").model.device == "auto"
     with pytest.raises(TopologyError, match="model.device"):
         topology_from(parser().parse_args(["serve", "--device", "tpu"]))

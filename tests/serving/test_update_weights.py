@@ -207,17 +207,19 @@ async def test_weights_are_reported_probed_before_commit_and_checked_by_the_sche
         answer = await tm.call_scheduler(UpdateWeightsReq("/etc"), timeout=30)
         assert not answer["success"] and "outside" in answer["message"], answer
         # a load whose answer is lost: the front end asks which weights serve, and finds the new ones
-        real_call = tm.call_scheduler
+        real_call = tm.replicas.call
 
-        async def answer_lost(msg, **kwargs):
-            await real_call(msg, **kwargs)
-            raise CallError("no answer within 600 s")
+        async def answer_lost(replica, msg, **kwargs):
+            answer = await real_call(replica, msg, **kwargs)
+            if isinstance(msg, UpdateWeightsReq):
+                raise CallError("no answer within 600 s")
+            return answer
 
-        tm.call_scheduler = answer_lost
+        tm.replicas.call = answer_lost
         try:
             r = await client.post("/update_weights_from_disk", json={"model_path": model_dirs["b"]})
         finally:
-            tm.call_scheduler = real_call
+            tm.replicas.call = real_call
         assert r.status_code == 200 and "confirmed after" in r.json()["message"], r.text
         now = (await client.get("/server_info")).json()["weights"]
         assert now["path"] == model_dirs["b"] and now["digest"] != first["digest"], now
