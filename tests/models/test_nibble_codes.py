@@ -177,3 +177,45 @@ def test_fp16_scales_at_their_extremes_rebuild_the_bits_of_fp32_scales(fp32, sig
     for rows in ROWS:
         for n in (32, 20):
             assert torch.equal(cpu_kernels.block_linear(x[:rows], *compact, n), cpu_kernels.block_linear(x[:rows], *wide, n))
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_a_model_quantized_to_4_bits_runs_on_nibbles_with_the_logits_of_its_fp32_weights(fp32, tiny_llama, kind,
+                                                                                         monkeypatch):
+    """The tiny model's projections quantized as llama.cpp would (Q4_0 or Q4_1, the LM head Q8_0): the
+    runner keeps them as nibbles (the head as int8) and its logits are bitwise those of the fp32
+    panels (the kernel pinned: whether it pays on this machine is not the question)."""
+    import dataclasses
+
+    from models import probes
+    from models.layers import CausalLM
+    from models.runner import ModelRunner, SeqInput
+
+    def requantize(name, tensor):
+        if tensor.dim() != 2:
+            return tensor
+        return quantized_like(tensor, "q8_0" if "embed" in name or "lm_head" in name else kind)
+
+    loaded = dataclasses.replace(tiny_llama, state_dict={n: requantize(n, t) for n, t in tiny_llama.state_dict.items()})
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    runner = ModelRunner(loaded, dtype=torch.float32)
+    dtypes = [lin.codes[0].dtype for lin in runner.model.projections()]
+    assert dtypes == [LAYOUT[kind][0]] * (len(dtypes) - 1) + [torch.int8]  # the layers' nibbles, the head's bytes
+    assert [lin.codes[0].shape[1] * 2 == lin.shape[1] for lin in runner.model.projections()] == [True] * (
+        len(dtypes) - 1) + [False]
+    reference = ModelRunner(loaded, dtype=torch.float32)
+    reference.model = CausalLM(loaded.config, loaded.state_dict, torch.float32, torch.device("cpu"), kernel=True,
+                               codes=False, invariant=reference.deterministic, fused=reference.cpu_kernel)
+    assert all(lin.codes is None for lin in reference.model.projections())
+    prompts = [list(range(5 + 3 * i, 25 + 7 * i)) for i in range(3)]
+    seqs = [SeqInput(p, list(range(start, start + len(p)))) for p, start in zip(prompts, [0, 100, 200])]
+    ours, theirs = runner.logits(seqs, [0, 1, 2]), reference.logits(seqs, [0, 1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def quantized_like(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    """`tensor` quantized by gguf-py and dequantized (as tercet loads a GGUF)."""
+    from gguf import GGMLQuantizationType, quants
+
+    kinds = {"q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0}
+    return torch.from_numpy(quants.dequantize(quants.quantize(tensor.float().numpy(), kinds[kind]), kinds[kind]).copy())
