@@ -92,8 +92,11 @@ class Caller:
         self._last_id = 0  # ids are 1, 2, ...: a reply with another id was never asked for
         self._pending: dict[int, trio.MemorySendChannel[Reply]] = {}
 
-    async def call(self, sender: Sender, msg: Any, *, reply: Any = Any,
+    async def call(self, sender: Sender, msg: Any, *, reply: Any = None,
                    timeout: float = 10.0) -> Any:
+        """``msg``'s reply as type ``reply`` (default: what its class declares as ``reply``, else as it came)."""
+        if reply is None:
+            reply = getattr(type(msg), "reply", Any)
         return await self._request(sender, lambda call_id: Call(call_id, self.reply_to, msg),
                                    type(msg).__name__, reply, timeout)
 
@@ -112,7 +115,11 @@ class Caller:
                 answer = await receive.receive()
                 if answer.error is not None:
                     raise CallError(f"{sender.address} failed handling {what}: {answer.error}")
-                return _convert(answer.body, reply)
+                try:
+                    return _convert(answer.body, reply)
+                except msgspec.ValidationError as exc:  # (a peer of another build, say)
+                    raise CallError(f"{sender.address} answered {what} with a reply that is not a "
+                                    f"{getattr(reply, '__name__', reply)}: {exc}") from None
             raise CallTimeout(f"no reply from {sender.address} to {what} within {timeout:g} s")
         finally:
             self._pending.pop(call_id, None)
@@ -209,8 +216,9 @@ class Context:
         what = "call" if isinstance(request, Call) else "heartbeat"
         self.stats.runtime.count(f"unanswerable {what}", f"{what} {request.id}: {problem}")
 
-    async def call(self, address: str, msg: Any, *, reply: Any = Any, timeout: float = 10.0) -> Any:
-        """Send ``msg`` and wait for the callee's return value (or CallError)."""
+    async def call(self, address: str, msg: Any, *, reply: Any = None, timeout: float = 10.0) -> Any:
+        """Send ``msg`` and wait for the callee's return value (or CallError), as type ``reply``
+        (default: the ``reply`` type ``msg``'s class declares, else as it came)."""
         return await self._caller.call(await self.sender(address), msg, reply=reply, timeout=timeout)
 
     def stop(self) -> None:

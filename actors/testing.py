@@ -244,7 +244,7 @@ class Harness:
         """Raw frames, as if from the wire: the receiver must decode (or drop) them."""
         await (await self._sender(address)).send(Frames(frames))
 
-    async def call(self, address: str, msg: Any, *, reply: Any = Any, timeout: float = 5.0) -> Any:
+    async def call(self, address: str, msg: Any, *, reply: Any = None, timeout: float = 5.0) -> Any:
         if not hasattr(self, "_replies_bound"):
             self._replies_bound = await self.hub.bind(self._caller.reply_to, Reply)
             self.nursery.start_soon(_pump, self._replies_bound, self._caller.resolve)

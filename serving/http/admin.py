@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from ..managers.messages import FlushCacheReq, SamplingParams
 from ..managers.tokenizer_manager import GenerateInput
 from .errors import BadRequest, decode_body
-from .state import ServerState, merged_info
+from .state import ServerState, merged_detokenizers, merged_info
 
 __all__ = [
     "abort_request",
@@ -79,8 +79,8 @@ async def server_info(request: Request, state: ServerState) -> Response:
     infos = await state.replica_infos()
     if not infos:
         raise BadRequest("no scheduler answers (restarting, or swamped)", status=503)
-    info = merged_info(list(infos.values()))
-    detokenizer = info.pop("detokenizer")
+    info = msgspec.to_builtins(merged_info([i.scheduler for i in infos.values()]))
+    detokenizer = merged_detokenizers([i.detokenizer for i in infos.values()])
     tm = runtime.tokenizer_manager
     info["replicas"] = state.replica_figures(infos)
     info["migrated"] = tm.migrated

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from ..managers.messages import ServerInfo
 from ..managers.tokenizer_manager import Chunk
 from ..runtime.interface import Runtime
 
@@ -85,14 +85,14 @@ class Metrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, runtime: Runtime, info: dict[str, Any] | None) -> bytes:
-        """The metrics page; ``info``: the scheduler's latest figures (ServerInfoReq), if any."""
+    def render(self, runtime: Runtime, info: ServerInfo | None) -> bytes:
+        """The metrics page; ``info``: the scheduler's latest figures, if any."""
         tm = runtime.tokenizer_manager
         if info is not None:
-            total = info["kv_pages_total"] or 1
-            for own, gauge, value in (("tercet_num_queue_reqs", self.waiting, info["waiting"]),
-                                      ("tercet_num_running_reqs", self.running, info["running"]),
-                                      ("tercet_kv_cache_usage", self.kv_usage, 1 - info["kv_pages_free"] / total)):
+            total = info.kv_pages_total or 1
+            for own, gauge, value in (("tercet_num_queue_reqs", self.waiting, info.waiting),
+                                      ("tercet_num_running_reqs", self.running, info.running),
+                                      ("tercet_kv_cache_usage", self.kv_usage, 1 - info.kv_pages_free / total)):
                 gauge.set(value)
                 for alias in self.aliases[own]:
                     alias.set(value)

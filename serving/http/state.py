@@ -6,14 +6,16 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from actors import CallError
 
-from ..managers.messages import DetokenizerInfoReq, HealthProbe, ServerInfoReq
+from ..managers.messages import DetokenizerInfo, DetokenizerInfoReq, HealthProbe, ServerInfo, ServerInfoReq
 from ..runtime.interface import Runtime
 from .errors import BadRequest
 from .metrics import Metrics
@@ -21,7 +23,7 @@ from .openai_api import TokenStrings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServerState", "merged_info"]
+__all__ = ["ReplicaInfo", "ServerState", "merged_detokenizers", "merged_info"]
 
 
 class ServerState:
@@ -109,9 +111,9 @@ class ServerState:
             result = await self.runtime.update_weights(str(real))
         except CallError as exc:
             raise BadRequest(f"the weights could not be updated: {exc}", status=503) from None
-        if not result["success"]:
-            raise BadRequest(result["message"], "model_path", status=result.get("status", 400))
-        return result["message"]
+        if not result.success:
+            raise BadRequest(result.message, "model_path", status=result.status or 400)
+        return result.message
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -122,38 +124,34 @@ class ServerState:
     def replicated(self) -> bool:
         return self.topology.replicated
 
-    async def replica_infos(self, *, timeout: float = 10.0) -> dict[int, dict[str, Any]]:
-        """Each replica up that answers: its scheduler's ``ServerInfoReq`` answer, with its
-        detokenizer's under ``detokenizer`` (or the error it gave)."""
-        tm = self.runtime.tokenizer_manager
+    async def replica_infos(self, *, timeout: float = 10.0) -> dict[int, ReplicaInfo]:
+        """Each replica up whose scheduler answers: its ``ServerInfo``, and its detokenizer's
+        ``DetokenizerInfo`` (or the error it gave)."""
+        replicas = self.runtime.tokenizer_manager.replicas
         async with trio.open_nursery() as nursery:
             schedulers: dict[int, Any] = {}
             detokenizers: dict[int, Any] = {}
 
             async def ask(into: dict[int, Any], msg: Any, detokenizer: bool) -> None:
-                into.update(await tm.replicas.call_all(msg, timeout=timeout, detokenizer=detokenizer))
+                into.update(await replicas.call_all(msg, timeout=timeout, detokenizer=detokenizer))
 
             nursery.start_soon(ask, schedulers, ServerInfoReq(), False)
             nursery.start_soon(ask, detokenizers, DetokenizerInfoReq(), True)
-        infos = {}
-        for i, info in sorted(schedulers.items()):
-            if not isinstance(info, BaseException):
-                detokenizer = detokenizers.get(i, CallError("not asked"))
-                infos[i] = {**info, "detokenizer": {"error": str(detokenizer)}
-                            if isinstance(detokenizer, BaseException) else detokenizer}
-        return infos
+        return {i: ReplicaInfo(info, detokenizers.get(i, CallError("not asked")))
+                for i, info in sorted(schedulers.items()) if isinstance(info, ServerInfo)}
 
-    def replica_figures(self, infos: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    def replica_figures(self, infos: dict[int, ReplicaInfo]) -> list[dict[str, Any]]:
         """Per replica: up (taking requests), in the pool, requests in flight and routed there,
         prompt tokens finished there and the share of them served from its prefix cache,
         and its scheduler's queue and KV figures (``infos``: as ``replica_infos`` gave)."""
         status = self.runtime.status
         figures = []
         for replica in self.runtime.tokenizer_manager.replicas.figures():
-            info = infos.get(replica["replica"], {})
-            figures.append({**replica, "in_pool": replica["replica"] in status.pool,
-                            **{key: info[key] for key in ("waiting", "running", "kv_pages_total", "kv_pages_free",
-                                                          "cached_pages") if key in info}})
+            info = infos.get(replica["replica"])
+            figures.append({**replica, "in_pool": replica["replica"] in status.pool, **({} if info is None else {
+                "waiting": info.scheduler.waiting, "running": info.scheduler.running,
+                "kv_pages_total": info.scheduler.kv_pages_total, "kv_pages_free": info.scheduler.kv_pages_free,
+                "cached_pages": info.scheduler.cached_pages})})
         return figures
 
     async def call(self, msg: Any, *, timeout: float = 10.0) -> Any:
@@ -166,7 +164,7 @@ class ServerState:
     async def context_len(self) -> int:
         """The longest sequence the scheduler serves (asked once: a restart keeps the model)."""
         if self._context_len is None:
-            self._context_len = int((await self.call(ServerInfoReq(), timeout=10.0))["max_context_len"])
+            self._context_len = (await self.call(ServerInfoReq(), timeout=10.0)).max_context_len
         return self._context_len
 
     def quick_health(self) -> str | None:
@@ -210,7 +208,7 @@ class HealthMonitor:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.last_problem: str | None = None
-        self.info: dict[str, Any] | None = None  # the scheduler's last ServerInfoReq answer (for /metrics)
+        self.info: ServerInfo | None = None  # the scheduler's last answer (summed over the replicas: /metrics)
         self.answered_at = trio.current_time()
         self.loop_lag = 0.0  # seconds, a moving average of how late a 50 ms sleep wakes
 
@@ -255,11 +253,11 @@ class HealthMonitor:
     async def _probe_replicas(self) -> None:
         """Healthy while any replica answers (the others' requests moved to it)."""
         infos = await self.state.replica_infos(timeout=5.0)
-        answered = {i: info for i, info in infos.items() if "error" not in info["detokenizer"]}
+        answered = [info.scheduler for info in infos.values() if isinstance(info.detokenizer, DetokenizerInfo)]
         if not answered:
             self.last_problem = "no replica's scheduler and detokenizer answer"
             return
-        self.info = merged_info(list(answered.values()))
+        self.info = merged_info(answered)
         self.last_problem = None
         self.answered_at = trio.current_time()
 
@@ -274,21 +272,31 @@ class HealthMonitor:
 SUMMED = ("waiting", "running", "kv_pages_total", "kv_pages_free", "cached_pages", "retracted", "aborted", "steps")
 
 
-def merged_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
-    """One ``ServerInfoReq`` answer for several replicas: counts added up, the rest the first's."""
-    merged = dict(infos[0])
-    for key in SUMMED:
-        merged[key] = sum(info[key] for info in infos)
+@dataclass
+class ReplicaInfo:
+    """What a replica's scheduler and detokenizer answered (``detokenizer``: or the error it gave)."""
+
+    scheduler: ServerInfo
+    detokenizer: DetokenizerInfo | BaseException
+
+
+def merged_info(infos: list[ServerInfo]) -> ServerInfo:
+    """One ``ServerInfo`` for several replicas: counts added up, the rest the first's."""
     by_worker: dict[str, int] = {}
     for info in infos:
-        for worker, count in info["requests_by_worker"].items():
+        for worker, count in info.requests_by_worker.items():
             by_worker[worker] = by_worker.get(worker, 0) + count
-    merged["requests_by_worker"] = by_worker
-    detokenizers = [info.get("detokenizer", {}) for info in infos]
-    errors = [d["error"] for d in detokenizers if "error" in d]
+    return msgspec.structs.replace(infos[0], requests_by_worker=by_worker,
+                                   **{key: sum(getattr(info, key) for info in infos) for key in SUMMED})
+
+
+def merged_detokenizers(answers: list[DetokenizerInfo | BaseException]) -> dict[str, Any]:
+    """The replicas' detokenizers as /server_info shows them: counts added up (the boot the first's),
+    or the errors some gave."""
+    errors = [str(a) for a in answers if isinstance(a, BaseException)]
     if errors:
-        merged["detokenizer"] = {"error": "; ".join(errors)}
-    elif len(detokenizers) > 1:
-        merged["detokenizer"] = {key: sum(d[key] for d in detokenizers) for key, value in detokenizers[0].items()
-                                 if isinstance(value, int)}
+        return {"error": "; ".join(errors)}
+    merged = msgspec.to_builtins(answers[0])
+    for key in ("requests", "unknown_rids", "swept"):
+        merged[key] = sum(getattr(a, key) for a in answers)
     return merged

@@ -25,7 +25,7 @@ from hypercorn.trio import serve
 from actors import ActorChild, WatchdogTimeout
 from models.loading import load_tokenizer
 
-from ..managers.messages import RuntimeStatus, SetPaused, UpdateWeightsAll, WorkerStalled
+from ..managers.messages import RuntimeStatus, SetPaused, UpdateWeightsAll, WeightsResult, WorkerStalled
 from ..managers.tokenizer_manager import TokenizerManager
 from ..runtime.interface import Gate, StatusTracker, TokenizerManagerSlot
 from ..runtime.frontend import make_tokenizer_manager
@@ -65,7 +65,7 @@ class WorkerRuntime:
         self.gate.set_closed(paused)
         await self.tokenizer_manager.ctx.call(self.control, SetPaused(paused), timeout=10.0)
 
-    async def update_weights(self, path: str) -> dict[str, Any]:
+    async def update_weights(self, path: str) -> WeightsResult:
         return await self.tokenizer_manager.ctx.call(self.control, UpdateWeightsAll(path), timeout=660.0)
 
     async def apply(self, status: RuntimeStatus) -> None:

@@ -44,6 +44,7 @@ from .messages import (
     BatchTokenIDOut,
     DecodeInit,
     DetokenizerInbox,
+    DetokenizerInfo,
     DetokenizerInfoReq,
     FinishReason,
     ForgetRequests,
@@ -284,8 +285,7 @@ class DetokenizerManager(Actor):
                 for rid in rids:
                     self.states.pop(rid, None)
             case DetokenizerInfoReq():
-                return {"requests": len(self.states), "unknown_rids": self.unknown_rids, "swept": self.swept,
-                        "boot": self.boot}
+                return DetokenizerInfo(len(self.states), self.unknown_rids, self.swept, self.boot)
             case BatchTokenIDOut():
                 outputs, hits = self.detokenize(msg)
                 for hit in hits:  # first, so the scheduler stops generating soonest

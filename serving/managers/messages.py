@@ -18,7 +18,7 @@ Control requests (flush cache, server info, health) use the runtime's
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -33,6 +33,7 @@ __all__ = [
     "ControlInbox",
     "DecodeInit",
     "DetokenizerInbox",
+    "DetokenizerInfo",
     "DetokenizerInfoReq",
     "FinishReason",
     "FlushCacheReq",
@@ -44,11 +45,14 @@ __all__ = [
     "SetPaused",
     "SchedulerInbox",
     "RuntimeStatus",
+    "ServerInfo",
     "ServerInfoReq",
     "StopStringHit",
     "TokenizerInbox",
     "UpdateWeightsAll",
     "UpdateWeightsReq",
+    "Weights",
+    "WeightsResult",
     "WireCheck",
     "WorkerStalled",
     "wire_field",
@@ -224,6 +228,7 @@ class AbortWhere(msgspec.Struct, tag=True, array_like=True, gc=False):
     in any incarnation, or that ``worker`` owns: an /abort_request that reached
     another worker, or the requests of a worker that died."""
 
+    reply: ClassVar[Any] = int
     rid: str | None = None
     worker: int | None = None
     message: str = "aborted"
@@ -233,20 +238,62 @@ class AbortWhere(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class FlushCacheReq(msgspec.Struct, tag=True, array_like=True, gc=False):
-    pass
+    """By ``call``: empty the prefix cache; the reply is whether it was (False while requests run)."""
+
+    reply: ClassVar[Any] = bool
+
+
+class Weights(msgspec.Struct):
+    """The weights a scheduler serves: where they were loaded from, and their digest."""
+
+    path: str | None
+    digest: str | None = None
+
+
+class ServerInfo(msgspec.Struct):
+    """A scheduler's answer to ``ServerInfoReq``: its configuration, model and figures."""
+
+    boot: str  # this scheduler process (a restart is a new one)
+    scheduler: dict[str, Any]  # its SchedulerConfig
+    device: str
+    deterministic_inference: bool  # what runs, not only what was asked
+    invariance: dict[str, Any] | None  # which paths make it so (None: the mode is off)
+    max_context_len: int
+    weights: Weights
+    waiting: int
+    running: int
+    requests_by_worker: dict[str, int]  # requests held, by tokenizer worker
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_page_size: int
+    cached_pages: int
+    retracted: int
+    aborted: int
+    steps: int
 
 
 class ServerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):
-    pass
+    reply: ClassVar[Any] = ServerInfo
 
 
 class HealthProbe(msgspec.Struct, tag=True, array_like=True, gc=False):
-    pass
+    reply: ClassVar[Any] = bool
+
+
+class WeightsResult(msgspec.Struct, omit_defaults=True):
+    """The outcome of a weights update: ``status`` is the HTTP status of a failure (default 400);
+    ``weights``, those that serve after a success."""
+
+    success: bool
+    message: str
+    status: int | None = None
+    weights: Weights | None = None
 
 
 class UpdateWeightsReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Load new weights of the same architecture (only sent when no request runs)."""
 
+    reply: ClassVar[Any] = WeightsResult
     model_path: str
 
 
@@ -292,8 +339,19 @@ class BatchTokenIDOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     boot: str = ""  # the scheduler incarnation that ran the step ("": not told)
 
 
+class DetokenizerInfo(msgspec.Struct):
+    """A detokenizer's answer to ``DetokenizerInfoReq``."""
+
+    requests: int  # requests it holds decoding state for
+    unknown_rids: int  # outputs of requests it did not know (late steps of an ended or replaced incarnation)
+    swept: int  # states of a restarted scheduler's earlier incarnation it dropped
+    boot: str  # this detokenizer process
+
+
 class DetokenizerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):
     """By ``call``: how many requests the detokenizer holds state for."""
+
+    reply: ClassVar[Any] = DetokenizerInfo
 
 
 class ForgetRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -357,9 +415,9 @@ class SetPaused(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class UpdateWeightsAll(msgspec.Struct, tag=True, array_like=True, gc=False):
     """By ``call``: hold new requests on every worker, let those in flight finish on the
-    old weights, load new ones, let the held requests go; the reply is
-    ``{"success", "message"}``."""
+    old weights, load new ones, let the held requests go."""
 
+    reply: ClassVar[Any] = WeightsResult
     model_path: str
 
 

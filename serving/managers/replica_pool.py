@@ -196,14 +196,15 @@ class ReplicaPool:
             if replica.remote:
                 ctx.nursery.start_soon(self.watch_remote, index)
 
-    async def call(self, index: int, msg: Any, *, timeout: float = 10.0, detokenizer: bool = False) -> Any:
-        """Ask replica ``index``'s scheduler (or detokenizer)."""
+    async def call(self, index: int, msg: Any, *, timeout: float = 10.0, detokenizer: bool = False,
+                   reply: Any = None) -> Any:
+        """Ask replica ``index``'s scheduler (or detokenizer); the reply as ``msg`` declares it (or ``reply``)."""
         replica = self.replicas[index]
         address = replica.detokenizer if detokenizer else replica.scheduler
         if address is None:
             raise CallError(f"replica {index}: no detokenizer address given")
         assert self.ctx is not None, "the pool asks once its tokenizer manager started"
-        return await self.ctx.call(address, msg, timeout=timeout)
+        return await self.ctx.call(address, msg, timeout=timeout, reply=reply)
 
     async def call_all(self, msg: Any, *, timeout: float = 10.0, detokenizer: bool = False) -> dict[int, Any]:
         """Ask the scheduler (or the detokenizer) of every replica up, at once: each one's answer
@@ -232,9 +233,10 @@ class ReplicaPool:
                 continue
             try:
                 with trio.fail_after(self.remote_timeout):
-                    scheduler = await self.call(index, ServerInfoReq(), timeout=self.remote_timeout)
+                    # (as they come: a replica of another build is watched by its boot, if it gives one)
+                    scheduler = await self.call(index, ServerInfoReq(), timeout=self.remote_timeout, reply=Any)
                     detokenizer = await self.call(index, DetokenizerInfoReq(), timeout=self.remote_timeout,
-                                                  detokenizer=True)
+                                                  detokenizer=True, reply=Any)
                 seen = (_boot(scheduler), _boot(detokenizer))
             except (CallError, trio.TooSlowError) as exc:
                 seen = None
@@ -254,4 +256,4 @@ class ReplicaPool:
 
 def _boot(answer: Any) -> Any:
     """The boot id in a replica's info answer; None when it gives none (another build, a proxy)."""
-    return answer.get("boot") if isinstance(answer, dict) else None
+    return answer.get("boot") if isinstance(answer, dict) else getattr(answer, "boot", None)

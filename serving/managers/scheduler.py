@@ -42,9 +42,12 @@ from .messages import (
     GenerateReqId,
     HealthProbe,
     SchedulerInbox,
+    ServerInfo,
     ServerInfoReq,
     StopStringHit,
     UpdateWeightsReq,
+    Weights,
+    WeightsResult,
     wire_field,
 )
 from .radix_cache import RadixCache
@@ -313,32 +316,32 @@ class Scheduler(Actor):
             return real
         return real if any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots) else None
 
-    async def _update_weights(self, path: str) -> dict[str, Any]:
+    async def _update_weights(self, path: str) -> WeightsResult:
         """New weights of the same shape; only between requests (the HTTP layer drains first). They are
         committed only once a one-token step on them works (else the old ones keep serving)."""
         if not self.state.idle:
-            return {"success": False, "message": "requests are in flight; drain them first"}
+            return WeightsResult(False, "requests are in flight; drain them first")
         real = self._weights_path(path)
         if real is None:
-            return {"success": False, "status": 400, "message": f"{path} is outside the directories weights may "
-                    "be loaded from (the model's own and server.weights_roots / --weights-root)"}
+            return WeightsResult(False, f"{path} is outside the directories weights may be loaded from (the model's "
+                                 "own and server.weights_roots / --weights-root)", status=400)
         if self.state.cache is not None:
             self.state.cache.reset()  # (its pages free for the probe; their K/V would be stale after the swap)
         try:
             await trio.to_thread.run_sync(self.runner.reload_weights, real)
         except ModelLoadError as exc:
             message = str(exc)
-            return {"success": False, "message": message if path in message else f"{path}: {message}"}
+            return WeightsResult(False, message if path in message else f"{path}: {message}")
         except Exception as exc:  # noqa: BLE001 - unreadable, malformed or unexpected: the old weights stay
             log.exception("weights from %s could not be loaded", path)
-            return {"success": False, "message": f"{path}: cannot load these weights: {exc!r}"}
+            return WeightsResult(False, f"{path}: cannot load these weights: {exc!r}")
         self.weights = real
         log.info("weights updated from %s (digest %s)", real, self.runner.weights_digest)
-        return {"success": True, "message": f"weights loaded from {path}", "weights": self.weights_info()}
+        return WeightsResult(True, f"weights loaded from {path}", weights=self.weights_info())
 
-    def weights_info(self) -> dict[str, Any]:
+    def weights_info(self) -> Weights:
         """The weights this scheduler serves: where they were loaded from, and their digest."""
-        return {"path": self.weights, "digest": self.runner.weights_digest}
+        return Weights(self.weights, self.runner.weights_digest)
 
     def _abort_where(self, rid: str | None, worker: int | None, message: str, spare_boot: str | None = None) -> int:
         state = self.state
@@ -363,27 +366,17 @@ class Scheduler(Actor):
             self._pending.append(output)
             self._wakeup.set()
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ServerInfo:
         state, kv = self.state, self.runner.kv
-        return {
-            "boot": self.boot,
-            "scheduler": msgspec.to_builtins(self.config),
-            "device": str(self.runner.device),
-            "deterministic_inference": self.runner.deterministic,  # what runs, not only what was asked
-            "invariance": self.runner.invariance(),
-            "max_context_len": self.runner.context_len,
-            "weights": self.weights_info(),
-            "waiting": len(state.waiting),
-            "running": len(state.running),
-            "requests_by_worker": _count_by_worker(state),
-            "kv_pages_total": kv.num_pages,
-            "kv_pages_free": kv.num_free,
-            "kv_page_size": kv.page_size,
-            "cached_pages": state.cache.cached_pages if state.cache is not None else 0,
-            "retracted": state.retracted,
-            "aborted": state.aborted,
-            "steps": self.steps,
-        }
+        return ServerInfo(
+            boot=self.boot, scheduler=msgspec.to_builtins(self.config), device=str(self.runner.device),
+            deterministic_inference=self.runner.deterministic, invariance=self.runner.invariance(),
+            max_context_len=self.runner.context_len, weights=self.weights_info(),
+            waiting=len(state.waiting), running=len(state.running), requests_by_worker=_count_by_worker(state),
+            kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free, kv_page_size=kv.page_size,
+            cached_pages=state.cache.cached_pages if state.cache is not None else 0,
+            retracted=state.retracted, aborted=state.aborted, steps=self.steps,
+        )
 
     # -- the loop -----------------------------------------------------------------------
 

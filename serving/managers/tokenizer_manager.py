@@ -82,6 +82,7 @@ from .messages import (
     GenerateReq,
     RuntimeStatus,
     SamplingParams,
+    ServerInfo,
     ServerInfoReq,
     TokenizerInbox,
     WireCheck,
@@ -328,8 +329,7 @@ class TokenizerManager(Actor):
             async with self._asking:
                 if self._expander is None:
                     answers = await self.replicas.call_all(ServerInfoReq(), timeout=10.0)
-                    windows = [int(a["max_context_len"]) for a in answers.values()
-                               if isinstance(a, dict) and isinstance(a.get("max_context_len"), int)]
+                    windows = [a.max_context_len for a in answers.values() if isinstance(a, ServerInfo)]
                     if not windows or len(windows) < len(answers):  # one restarting: ask again next time
                         return Expander(self.tokenizer, self.limits)
                     limits = dataclasses.replace(self.limits, context_len=min(windows))

@@ -19,7 +19,7 @@ import trio
 
 from actors import Supervisor, SupervisorEvent
 
-from ..managers.messages import RuntimeStatus
+from ..managers.messages import RuntimeStatus, WeightsResult
 from ..managers.tokenizer_manager import TokenizerManager
 from .topology import Topology
 
@@ -266,5 +266,5 @@ class Runtime(Protocol):
     async def set_paused(self, paused: bool) -> None:
         """Pause (or continue) new requests server-wide; CallError if that cannot be told everywhere."""
 
-    async def update_weights(self, path: str) -> dict[str, Any]:
-        """Drain, load new weights, open again: ``{"success", "message"}``."""
+    async def update_weights(self, path: str) -> WeightsResult:
+        """Drain, load new weights, open again."""

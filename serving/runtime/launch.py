@@ -38,7 +38,7 @@ from actors.process import ProcessExited
 from models.loading import load_tokenizer
 from transports import open_hub
 
-from ..managers.messages import ServerInfoReq, UpdateWeightsReq
+from ..managers.messages import ServerInfoReq, UpdateWeightsReq, WeightsResult
 from ..managers.tokenizer_manager import TokenizerManager, blames
 from .interface import Gate, StatusTracker, TokenizerManagerSlot
 from .replicas import NoReplicaLeft, ReplicaSet, ReplicaStatus
@@ -208,20 +208,20 @@ class LocalRuntime(Supervised):
     async def set_paused(self, paused: bool) -> None:
         self.gate.set_closed(paused)
 
-    async def update_weights(self, path: str) -> dict[str, Any]:
+    async def update_weights(self, path: str) -> WeightsResult:
         timeout = self.topology.server.weights_drain_timeout
         try:
             async with self.gate.writing(timeout):  # requests in flight finish on the old weights
                 result = await self._load_weights(path)
         except trio.TooSlowError:
-            return {"success": False, "status": 409,
-                    "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
-        if result["success"]:
+            return WeightsResult(False, f"requests still in flight after {timeout:g} s; the old weights keep serving",
+                                 status=409)
+        if result.success:
             self.weights = path  # a restarted scheduler loads these
-            self.weights_digest = (result.get("weights") or {}).get("digest")
+            self.weights_digest = result.weights.digest if result.weights is not None else None
         return result
 
-    async def _load_weights(self, path: str) -> dict[str, Any]:
+    async def _load_weights(self, path: str) -> WeightsResult:
         replicas = self.tokenizer_manager.replicas
         with replicas.loading():  # (the remote ones' watch: a replica loading weights answers nothing else)
             answers = await replicas.call_all(UpdateWeightsReq(path), timeout=600.0)
@@ -231,7 +231,7 @@ class LocalRuntime(Supervised):
                     answers[i] = await self._weights_after(i, path, answer)
                 except CallError as exc:
                     answers[i] = exc
-        loaded = [i for i, a in answers.items() if not isinstance(a, BaseException) and a["success"]]
+        loaded = [i for i, a in answers.items() if isinstance(a, WeightsResult) and a.success]
         if not loaded:  # the same load error everywhere (a bad path), or no replica answered
             answer = next(iter(answers.values()), CallError("no replica is up"))
             if isinstance(answer, BaseException):
@@ -262,7 +262,7 @@ class LocalRuntime(Supervised):
         else:
             log.error("%s; %d replicas serve on", cause, len(self.status.pool))
 
-    async def _weights_after(self, replica: int, path: str, error: CallError, tries: int = 3) -> dict[str, Any]:
+    async def _weights_after(self, replica: int, path: str, error: CallError, tries: int = 3) -> WeightsResult:
         """The outcome of a load of ``path`` whose answer did not come (``error``): ``replica``'s scheduler is
         asked which weights it serves (it answers once the load is over), up to ``tries`` times."""
         replicas = self._tm.current.replicas
@@ -272,12 +272,11 @@ class LocalRuntime(Supervised):
             except CallError as exc:
                 error = exc
                 continue
-            serving = (info.get("weights") or {}).get("path")
-            if serving == path:
-                return {"success": True, "message": f"weights loaded from {path} (confirmed after: {error})",
-                        "weights": info["weights"]}
-            return {"success": False, "status": 503,
-                    "message": f"{path}: no answer to the load ({error}); the scheduler serves {serving}"}
+            if info.weights.path == path:
+                return WeightsResult(True, f"weights loaded from {path} (confirmed after: {error})",
+                                     weights=info.weights)
+            return WeightsResult(False, f"{path}: no answer to the load ({error}); the scheduler serves "
+                                 f"{info.weights.path}", status=503)
         raise error
 
     async def _reload_then_up(self, replica: int) -> None:
@@ -285,19 +284,18 @@ class LocalRuntime(Supervised):
         reports them: path and digest; an update made them current), so every replica answers alike."""
         tm = self._tm.current
         try:
-            info = await tm.replicas.call(replica, ServerInfoReq(), timeout=600.0)
-            weights = info.get("weights") or {}
-            if weights.get("path") == self.weights and self.weights_digest in (None, weights.get("digest")):
+            weights = (await tm.replicas.call(replica, ServerInfoReq(), timeout=600.0)).weights
+            if weights.path == self.weights and self.weights_digest in (None, weights.digest):
                 tm.replica_up(replica)
                 return
             result = await tm.replicas.call(replica, UpdateWeightsReq(self.weights), timeout=600.0)
         except CallError as exc:
-            result = {"success": False, "message": str(exc)}
-        if result["success"]:
+            result = WeightsResult(False, str(exc))
+        if result.success:
             tm.replica_up(replica)
         else:  # left out of the routing until it restarts again (and is given them again)
             log.error("replica %d could not load the weights serving now (%s): it takes no requests",
-                      replica, result["message"])
+                      replica, result.message)
 
     def _ray_started(self, replica: int, addresses: dict[str, str]) -> None:
         """A replica's Ray actor runs (again), there: it is watched at these addresses."""

@@ -45,6 +45,7 @@ from ..managers.messages import (
     SetPaused,
     UpdateWeightsAll,
     UpdateWeightsReq,
+    WeightsResult,
     WorkerStalled,
 )
 from .interface import StatusTracker
@@ -179,7 +180,7 @@ class Coordinator(Actor):
                 return await self._update_weights(path, self.pool.topology.server.weights_drain_timeout)
         return None
 
-    async def _update_weights(self, path: str, timeout: float) -> dict[str, Any]:
+    async def _update_weights(self, path: str, timeout: float) -> WeightsResult:
         """Like the single-process reader/writer gate, across workers: close every
         worker's gate, wait until the scheduler holds no request (those in flight
         finish on the old weights), load, open the gates."""
@@ -189,17 +190,17 @@ class Coordinator(Actor):
             with trio.move_on_after(timeout):
                 while True:
                     info = await self.ctx.call(self.scheduler, ServerInfoReq(), timeout=10.0)
-                    if info["waiting"] == 0 and info["running"] == 0:
+                    if info.waiting == 0 and info.running == 0:
                         result = await self.ctx.call(self.scheduler, UpdateWeightsReq(path), timeout=600.0)
-                        if result["success"]:
+                        if result.success:
                             self.pool.weights = path  # a restarted scheduler loads these
-                        if result["success"] or "in flight" not in result["message"]:
+                        if result.success or "in flight" not in result.message:
                             return result
                     await trio.sleep(0.05)  # draining: poll the scheduler's queues
-            return {"success": False, "status": 409,
-                    "message": f"requests still in flight after {timeout:g} s; the old weights keep serving"}
+            return WeightsResult(False, f"requests still in flight after {timeout:g} s; the old weights keep serving",
+                                 status=409)
         except CallError as exc:
-            return {"success": False, "message": f"the scheduler did not answer: {exc}"}
+            return WeightsResult(False, f"the scheduler did not answer: {exc}")
         finally:
             self.pool.set_updating(False)
 

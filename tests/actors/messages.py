@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import msgspec
 import trio
 
@@ -25,13 +27,31 @@ class Get(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
 
 
+class Count(msgspec.Struct):
+    """The reply that ``GetCount`` declares."""
+
+    seen: int
+
+
+class GetCount(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """``Get`` with a declared reply type (``reply``): a call returns a ``Count``."""
+
+    reply: ClassVar[Any] = Count
+
+
+class GetWrong(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Declares a ``Count`` reply; the actor answers a string."""
+
+    reply: ClassVar[Any] = Count
+
+
 class Ask(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Makes the actor call another actor from inside its handler."""
 
     address: str
 
 
-EchoInbox = Ping | Boom | Get | Ask
+EchoInbox = Ping | Boom | Get | Ask | GetCount | GetWrong
 
 
 class Echo(Actor):
@@ -58,6 +78,10 @@ class Echo(Actor):
                 raise RuntimeError(f"{self.name} told to crash")
             case Get():
                 return self.seen
+            case GetCount():
+                return Count(self.seen)
+            case GetWrong():
+                return "not a count"
             case Ask(address):
                 return await self.ctx.call(address, Get(), reply=int) + 1000
 

@@ -6,7 +6,7 @@ import trio
 from actors import CallError, CallTimeout
 from actors.testing import open_harness
 
-from .messages import Ask, Boom, Echo, Get, Ping, Pong
+from .messages import Ask, Boom, Count, Echo, Get, GetCount, GetWrong, Ping, Pong
 
 
 async def test_messages_dispatch_by_type_and_answer(autojump_clock):
@@ -17,6 +17,19 @@ async def test_messages_dispatch_by_type_and_answer(autojump_clock):
             await h.send("inproc://echo", Ping(n))
         assert [(await out.expect(Pong)).n for _ in range(3)] == [0, 1, 2]
         assert await h.call("inproc://echo", Get(), reply=int) == 3
+
+
+@pytest.mark.parametrize("scheme", ["inproc", "ipc"])
+async def test_a_call_returns_the_reply_type_its_message_declares(scheme, tmp_path):
+    """A message class's ``reply`` is what a call of it returns, typed, across a wire as in one process;
+    a reply that is not one is a CallError naming the type, not a dict passed on."""
+    address = "inproc://echo" if scheme == "inproc" else f"ipc://{tmp_path}/echo.sock"
+    async with open_harness() as h:
+        await h.start_actor("echo", lambda: Echo("inproc://out"), address)
+        assert await h.call(address, GetCount()) == Count(0)
+        assert await h.call(address, Get()) == 0  # (no declared type: as it came)
+        with pytest.raises(CallError, match="not a Count"):
+            await h.call(address, GetWrong())
 
 
 async def test_call_from_a_handler_gets_its_reply(autojump_clock):

@@ -32,7 +32,7 @@ async def assert_nothing_left(client, runtime):
     tm = runtime.tokenizer_manager
     with trio.fail_after(10):
         while (info := (await client.get("/server_info")).json())["waiting"] or info["running"] or \
-                (await tm.call_detokenizer(DetokenizerInfoReq()))["requests"]:
+                (await tm.call_detokenizer(DetokenizerInfoReq())).requests:
             await trio.sleep(0.05)
     assert runtime.status.restarts == {"scheduler": 0, "detokenizer": 0, "tokenizer": 0}
     assert not tm.rid_to_state and runtime.gate.readers == 0

@@ -50,8 +50,8 @@ async def test_by_default_greedy_tokens_do_not_depend_on_the_batch_the_cache_or_
     batch = prompts(12, seed=3)
     shared = [batch[0][:30] + p for p in batch[1:6]]  # a common prefix, computed once, then cached
     info, (alone, together, chunked), (shared_alone, shared_chunked) = await runs(batch, shared, dtype=dtype)
-    assert info["deterministic_inference"] is True  # no option given: the default
-    assert info["invariance"]["attention"] == "tercet's C++ kernel, every row"  # the kernels build here
+    assert info.deterministic_inference is True  # no option given: the default
+    assert info.invariance["attention"] == "tercet's C++ kernel, every row"  # the kernels build here
     assert together == alone
     assert chunked == alone
     assert shared_chunked == shared_alone
@@ -66,7 +66,7 @@ async def test_without_the_mode_logprobs_do_depend_on_the_batch_or_the_chunking(
     shared = [batch[0][:30] + p for p in batch[1:6]]
     info, (alone, together, chunked), (shared_alone, shared_chunked) = await runs(
         batch, shared, dtype=dtype, enable_deterministic_inference=False)
-    assert info["deterministic_inference"] is False and info["invariance"] is None
+    assert info.deterministic_inference is False and info.invariance is None
     assert together != alone or chunked != alone or shared_chunked != shared_alone
 
 

@@ -119,7 +119,7 @@ async def test_retract_under_small_kv_budget_completes_everything(tiny_loaded):
         results = await engine.generate(prompts, {**GREEDY, "max_new_tokens": 24})
         info = await engine.tokenizer_manager.call_scheduler(ServerInfoReq())
     assert [r["output_ids"] for r in results] == expected
-    assert info["retracted"] > 0
+    assert info.retracted > 0
 
 
 LIVE = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}  # far longer than any check
@@ -130,8 +130,8 @@ async def wait_until_idle(engine):
     their callers ended); the scheduler's info."""
     detokenizer = engine.runtime.supervisor.child("detokenizer").actor
     with trio.fail_after(30):
-        while (info := await engine.tokenizer_manager.call_scheduler(ServerInfoReq()))["running"] \
-                or info["waiting"] or detokenizer.states:
+        while (info := await engine.tokenizer_manager.call_scheduler(ServerInfoReq())).running \
+                or info.waiting or detokenizer.states:
             await trio.sleep(0.01)
     return info
 
@@ -150,7 +150,7 @@ async def test_aborting_a_live_request_ends_it_everywhere():
         assert 0 < sum(len(c.token_ids) for c in chunks) < LIVE["max_new_tokens"]
         assert await tm.abort("live") is False  # ended: nothing left to abort
         info = await wait_until_idle(engine)
-        assert info["aborted"] == 1  # the scheduler ended it (it did not run out its tokens)
+        assert info.aborted == 1  # the scheduler ended it (it did not run out its tokens)
         assert tm.rid_to_state == {}
 
 
@@ -193,10 +193,10 @@ async def test_many_requests_with_random_aborts_leave_nothing_behind():
         assert len(finished) > 200
         assert all(kind == "length" and n == wanted for kind, n, wanted in finished)
         info = await wait_until_idle(engine)
-        assert info["aborted"] >= len(aborted)
+        assert info.aborted >= len(aborted)
         assert await tm.call_scheduler(FlushCacheReq())
         info = await tm.call_scheduler(ServerInfoReq())
-        assert info["kv_pages_free"] == info["kv_pages_total"]
+        assert info.kv_pages_free == info.kv_pages_total
 
 
 def test_sync_engine():

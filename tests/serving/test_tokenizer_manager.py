@@ -25,7 +25,7 @@ class RecordingContext:
         if len(self.sent) == self.block:
             await self.unblock.wait()
 
-    async def call(self, address, msg, timeout):
+    async def call(self, address, msg, timeout, reply=None):
         raise CallError("no scheduler here")
 
 
@@ -359,9 +359,20 @@ class AnsweringContext(AddressedContext):
         self.answer = answer
         self.calls = []
 
-    async def call(self, address, msg, timeout):
+    async def call(self, address, msg, timeout, reply=None):
         self.calls.append((address, msg))
         return self.answer(address, msg)
+
+
+def server_info(**fields):
+    """A scheduler's ServerInfo, with ``fields`` as given."""
+    from serving.managers.messages import ServerInfo, Weights
+
+    return ServerInfo(**{
+        "boot": "b", "scheduler": {}, "device": "cpu", "deterministic_inference": True, "invariance": None,
+        "max_context_len": 8192, "weights": Weights("m"), "waiting": 0, "running": 0, "requests_by_worker": {},
+        "kv_pages_total": 1, "kv_pages_free": 1, "kv_page_size": 16, "cached_pages": 0, "retracted": 0,
+        "aborted": 0, "steps": 0, **fields})
 
 
 async def test_a_restarted_tokenizer_manager_ends_what_its_earlier_incarnation_left_on_every_replica(
@@ -436,7 +447,8 @@ async def test_the_context_window_is_the_smallest_of_the_replicas_up(nursery, to
     """N16: a request may migrate to any replica, so it is checked against the smallest window."""
     windows = {REPLICAS[0]: 8192, REPLICAS[1]: 2048, REPLICAS[2]: 1024}
     tm = TokenizerManager(tokenizer, replicas=ReplicaPool.of(REPLICAS, serving={0, 1}))
-    tm.ctx = tm.replicas.ctx = AnsweringContext(nursery, lambda address, msg: {"max_context_len": windows[address]})
+    tm.ctx = tm.replicas.ctx = AnsweringContext(nursery, lambda address, msg: server_info(
+        max_context_len=windows[address]))
     assert (await tm.expander()).limits.context_len == 2048
     tm.replica_up(2)  # one that comes up later counts from the next request on
     assert (await tm.expander()).limits.context_len == 1024

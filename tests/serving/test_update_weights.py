@@ -205,7 +205,7 @@ async def test_weights_are_reported_probed_before_commit_and_checked_by_the_sche
         assert (await client.post("/generate", json=GREEDY)).json()["output_ids"] == before
         # the scheduler checks the roots itself
         answer = await tm.call_scheduler(UpdateWeightsReq("/etc"), timeout=30)
-        assert not answer["success"] and "outside" in answer["message"], answer
+        assert not answer.success and "outside" in answer.message, answer
         # a load whose answer is lost: the front end asks which weights serve, and finds the new ones
         real_call = tm.replicas.call
 
