@@ -80,7 +80,6 @@ class Metrics:
         self.aliases = {own: [Gauge(name, f"{own}, by the name gateways read", registry=r,
                                     multiprocess_mode="mostrecent") for name in names]
                         for own, names in ALIASES.items()}
-        self._recoveries_seen = 0
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -113,9 +112,8 @@ class Metrics:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
-        for seconds in status.recoveries[self._recoveries_seen :]:
+        for seconds in status.take_recoveries():
             self.recovery.observe(seconds)
-        self._recoveries_seen = len(status.recoveries)
         return generate_latest(self.registry)
 
 

@@ -51,7 +51,6 @@ class WorkerRuntime:
         self.metrics = metrics
         self.status = StatusTracker()
         self.gate = Gate()
-        self._heard = False  # whether a status arrived yet (recoveries before that were a predecessor's)
         self._tm = TokenizerManagerSlot(lambda: make_tokenizer_manager(
             topology, tokenizer, addresses, worker=worker, on_stall=self._stalled, on_status=self.apply))
         self.tokenizer_manager_child = ActorChild(self._tm.build, addresses["tokenizer"], hub)
@@ -71,11 +70,10 @@ class WorkerRuntime:
     async def apply(self, status: RuntimeStatus) -> None:
         """News from the main process (the tokenizer manager's RuntimeStatus handler)."""
         tm = self.tokenizer_manager
-        new_recoveries = self.status.apply(status)
-        if self.worker == 0 and self._heard:  # one worker observes the server's recoveries
-            for seconds in new_recoveries:
+        self.status.apply(status)
+        if self.worker == 0:  # one worker observes the server's recoveries
+            for seconds in self.status.take_recoveries():
                 self.metrics.recovery.observe(seconds)
-        self._heard = True
         if status.failure is not None:
             count = tm.fail_all(f"the server failed: {status.failure}")
             log.critical("runtime failed (%s); ended %d requests in flight", status.failure, count)

@@ -44,6 +44,8 @@ class StatusTracker:
         self.failed = trio.Event()
         self.crashes: dict[tuple[str, str], int] = {}  # (actor, cause) → count
         self.recoveries: list[float] = []
+        self._recoveries_taken = 0  # (take_recoveries)
+        self._applied = False  # a worker: a status of the main process arrived
         self.starts: dict[str, int] = {}
         self._crashed_at: dict[str, float] = {}
         self._crash_cause: dict[str, str] = {}
@@ -142,12 +144,21 @@ class StatusTracker:
 
     # -- a tokenizer worker ------------------------------------------------------------
 
-    def apply(self, status: RuntimeStatus) -> list[float]:
-        """Take the main process's status; the recoveries it reports that are new here."""
-        seen = len(self.recoveries)
+    def take_recoveries(self) -> list[float]:
+        """The recovery times (seconds) not taken before: each is observed once, by whoever takes it
+        (the metrics; in a tokenizer worker, worker 0's)."""
+        new = self.recoveries[self._recoveries_taken:]
+        self._recoveries_taken = len(self.recoveries)
+        return new
+
+    def apply(self, status: RuntimeStatus) -> None:
+        """Take the main process's status (the recoveries in the first one were before this worker)."""
         self._restarts = dict(status.restarts)
         self.crashes = {(actor, cause): count for actor, cause, count in status.crashes}
         self.recoveries = list(status.recoveries)
+        if not self._applied:
+            self._applied = True
+            self._recoveries_taken = len(self.recoveries)
         self._pids = dict(status.pids)
         if status.failure is not None:
             self.fail(RuntimeError(status.failure))
@@ -158,7 +169,6 @@ class StatusTracker:
                 self._up.set()
             elif self._up.is_set():
                 self._up = trio.Event()
-        return self.recoveries[seen:]
 
 
 class Gate:
