@@ -97,6 +97,7 @@ def converted_gguf_dir(gguf: Path) -> Path:
 
 
 def _converted_locked(gguf: Path, root: Path, target: Path) -> Path:
+    _prune_conversions(gguf, root, target)
     if (target / "tercet-source.json").is_file():
         why = why_untrusted_tree(target)
         if why is None:
@@ -105,7 +106,7 @@ def _converted_locked(gguf: Path, root: Path, target: Path) -> Path:
         shutil.rmtree(target, ignore_errors=True)  # (another process may be at it too)
         if target.exists():
             raise ModelLoadError(f"converting {gguf.name}: {why}, and it cannot be removed: remove {target}")
-    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    scratch = Path(tempfile.mkdtemp(prefix=f".convert-{target.name}-", dir=root))
     try:
         _convert_gguf(gguf, scratch)
         drop_write_bits(scratch)  # whatever the umask: trusted when read back
@@ -118,6 +119,27 @@ def _converted_locked(gguf: Path, root: Path, target: Path) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _prune_conversions(gguf: Path, root: Path, target: Path) -> None:
+    """Under ``target``'s lock (no other process converts this file meanwhile): remove the scratch
+    directories that a conversion of it killed midway left, and the conversions of earlier versions of
+    the same file (same path, another size or mtime: they are never read again). A process still
+    serving from one keeps its open files (unlinked files live on while mapped)."""
+    for scratch in root.glob(f".convert-{target.name}-*"):
+        log.info("removing %s, left by a conversion of %s that did not finish", scratch, gguf.name)
+        shutil.rmtree(scratch, ignore_errors=True)
+    source = str(gguf.resolve())
+    for other in root.glob(f"{gguf.stem}-*"):
+        if other == target or not other.is_dir():
+            continue
+        try:
+            recorded = json.loads((other / "tercet-source.json").read_text()).get("path")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded == source:
+            log.info("removing %s, the conversion of an earlier version of %s", other, source)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _cache_key(gguf: Path) -> str:

@@ -210,6 +210,33 @@ def test_a_conversion_of_another_user_is_converted_again(cache, fake_gguf):
     assert (first / "model.safetensors").stat().st_uid == os.geteuid()
 
 
+def test_a_new_version_of_a_gguf_prunes_what_earlier_ones_left(cache, fake_gguf, monkeypatch, tmp_path):
+    """N15: each changed .gguf used to add a conversion that was never read again, and a conversion
+    killed midway left its scratch directory behind for good."""
+    gguf, runs = fake_gguf
+
+    def convert(source, out):
+        runs.append(out)
+        (out / "model.safetensors").write_bytes(b"weights")
+        (out / "tercet-source.json").write_text(json.dumps({"path": str(source.resolve())}))
+
+    monkeypatch.setattr(loading, "_convert_gguf", convert)
+    first = loading.converted_gguf_dir(gguf)
+    twin = tmp_path / "elsewhere" / "model.gguf"  # the same name, another file: its conversion stays
+    twin.parent.mkdir()
+    twin.write_bytes(b"GGUF, another")
+    kept = loading.converted_gguf_dir(twin)
+    gguf.write_bytes(b"GGUF, version 2")  # another size: another cache key
+    target = cache / f"model-{loading._cache_key(gguf)}"
+    killed = cache / f".convert-{target.name}-abc123"  # a conversion of version 2 killed midway
+    killed.mkdir()
+    second = loading.converted_gguf_dir(gguf)
+    assert second == target != first and len(runs) == 3
+    assert not first.exists() and not killed.exists() and kept.is_dir()
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == sorted([second.name,
+                                                                                                 kept.name])
+
+
 def test_a_weights_cache_that_is_not_private_is_refused_with_the_fix(cache, fake_gguf):
     gguf, runs = fake_gguf
     cache.mkdir()
