@@ -16,7 +16,7 @@ A result at batch B decoded tokens per step then has two bounds:
 and `bound_row` gives both, which is lower (binds), and the result as a % of it. Norms, rotary
 tables, activations and sampling (< 0.1 % of SmolLM2's bytes) are left out.
 
-    python -m benchmarks.roofline [--smoke] [--model PATH] [--context N] [--json PATH]
+    python -m benchmarks.roofline [--smoke] [--model PATH] [--context N] [--dtype D] [--json PATH]
 """
 
 from __future__ import annotations
@@ -298,10 +298,13 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="small sizes and the tiny model, a second")
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2)")
     parser.add_argument("--context", type=int, default=512, help="tokens of K/V read per decoded token")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="auto: what the runner picks on this CPU")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     machine = measure_machine(args.smoke)
-    costs = load_costs(args.model, args.context, tiny=args.smoke)
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    costs = load_costs(args.model, args.context, tiny=args.smoke, dtype=dtype)
     print(machine.describe(), costs.describe(), sep="\n")
     print(f"{'batch':>5} {'bw bound':>9} {'gemm bound':>10}  tok/s")
     for batch in (1, 8, 64):
