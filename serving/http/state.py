@@ -60,19 +60,20 @@ class ServerState:
         wait = self.topology.server.request_wait
         weight = min(max(weight, 1), self.max_in_flight)  # one larger than the server runs when it is alone
         self.refuse_if_overloaded(weight)
+        deadline = trio.current_time() + wait  # the whole wait: the scheduler may go down again as it wakes us
         while True:
-            with trio.move_on_after(wait):
+            with trio.move_on_at(deadline):
                 await gate.wait_open()
             if not gate.is_open:
                 raise BadRequest(f"generation is paused (waited {wait:g} s); try again", status=503)
-            with trio.move_on_after(wait):
+            with trio.move_on_at(deadline):
                 await status.scheduler_up()
             if status.failure is not None:
                 raise BadRequest(f"the server failed: {status.failure}", status=503)
-            if not status.scheduler_running():
-                raise BadRequest("the scheduler is restarting; try again", status=503)
-            if gate.is_open:  # still: no checkpoint from here to entering
+            if status.scheduler_running() and gate.is_open:  # still: no checkpoint from here to entering
                 break
+            if trio.current_time() >= deadline:
+                raise BadRequest("the scheduler is restarting; try again", status=503)
         with gate.reading(weight):
             yield
 
