@@ -230,6 +230,7 @@ class TokenizerManager(Actor):
         self.hold_timeout = hold_timeout
         self._no_probation = trio.Event()
         self._no_probation.set()
+        self._lost: dict[int, str] = {}  # replicas that went down while none was up: the crash, to resume after
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -536,19 +537,33 @@ class TokenizerManager(Actor):
         return await self._resume(crash, lambda replica: True)
 
     async def replica_down(self, replica: int, crash: str, *, cache_lost: bool = True) -> int:
-        """``replica`` lost its requests (``crash``: how): they resume at once on the replicas
-        up, or on the first to come up. ``cache_lost``: its scheduler restarts (forget what
-        was routed there)."""
+        """``replica`` lost its requests (``crash``: how): they resume at once on the replicas up;
+        when none is (a server without replicas: always), once the first is back, together, as
+        its first work (``replica_up``). ``cache_lost``: its scheduler restarts (forget what was
+        routed there). How many resumed now."""
         self.replicas.set_down(replica, cache_lost=cache_lost)
+        if not self.replicas.serving():
+            self._lost[replica] = crash  # (the latest crash, if it went down again before it was back)
+            return 0
         return await self._resume(crash, lambda r: r == replica)
 
     def replica_up(self, replica: int) -> None:
-        """``replica`` takes requests again (back after a restart)."""
+        """``replica`` takes requests again (back after a restart); what replicas lost while none was
+        up resumes now."""
         self.watchdogs[replica].feed()
         self.replicas.set_up(replica)
         self._expander = None  # its context window counts too (N16)
-        if self._running:  # (a remote one may still run what an earlier front end sent it)
-            self.ctx.nursery.start_soon(self._end_orphans, replica)
+        if not self._running:
+            return
+        # (a remote one may still run what an earlier front end sent it)
+        self.ctx.nursery.start_soon(self._end_orphans, replica)
+        if self._lost:
+            lost, self._lost = self._lost, {}
+            self.ctx.nursery.start_soon(self._resume_lost, lost)
+
+    async def _resume_lost(self, lost: dict[int, str]) -> None:
+        for replica, crash in lost.items():
+            await self._resume(crash, lambda r, replica=replica: r == replica)
 
     async def _resume(self, crash: str, lost: Callable[[int], bool]) -> int:
         """Resume the requests running on the replicas that ``lost`` says lost them; count the
@@ -669,6 +684,7 @@ class TokenizerManager(Actor):
                 state.end(FinishReason("abort", message=message, status_code=status_code))
                 count += 1
         self._failed = True
+        self._lost.clear()
         self.replicas.close()  # what waits for a replica ends
         self._suspects.clear()
         if self._trial is not None:
