@@ -230,7 +230,8 @@ class TokenizerManager(Actor):
         self.hold_timeout = hold_timeout
         self._no_probation = trio.Event()
         self._no_probation.set()
-        self._lost: dict[int, str] = {}  # replicas that went down while none was up: the crash, to resume after
+        # replicas that went down while none was up: the crash and the step that died, to resume after
+        self._lost: dict[int, tuple[str, set[str] | None]] = {}
 
     async def on_start(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -542,8 +543,8 @@ class TokenizerManager(Actor):
         its first work (``replica_up``). ``cache_lost``: its scheduler restarts (forget what was
         routed there). How many resumed now."""
         self.replicas.set_down(replica, cache_lost=cache_lost)
-        if not self.replicas.serving():
-            self._lost[replica] = crash  # (the latest crash, if it went down again before it was back)
+        if not self.replicas.serving():  # (the journal is read now: it names the step that died)
+            self._lost[replica] = (crash, read_step(self.replicas[replica].journal))
             return 0
         return await self._resume(crash, lambda r: r == replica)
 
@@ -561,16 +562,18 @@ class TokenizerManager(Actor):
             lost, self._lost = self._lost, {}
             self.ctx.nursery.start_soon(self._resume_lost, lost)
 
-    async def _resume_lost(self, lost: dict[int, str]) -> None:
-        for replica, crash in lost.items():
-            await self._resume(crash, lambda r, replica=replica: r == replica)
+    async def _resume_lost(self, lost: dict[int, tuple[str, set[str] | None]]) -> None:
+        for replica, (crash, step) in lost.items():
+            await self._resume(crash, lambda r, replica=replica: r == replica, steps={replica: step})
 
-    async def _resume(self, crash: str, lost: Callable[[int], bool]) -> int:
+    async def _resume(self, crash: str, lost: Callable[[int], bool],
+                      steps: dict[int, set[str] | None] | None = None) -> int:
         """Resume the requests running on the replicas that ``lost`` says lost them; count the
-        crash against those that ran in the step that died (``_blamed``)."""
+        crash against those that ran in the step that died (``_blamed``; ``steps``: a replica's,
+        as its journal said at the crash)."""
         in_flight = [s for s in self.rid_to_state.values()
                      if s.finished is None and s.replica is not None and lost(s.replica)]
-        blamed = self._blamed(crash, in_flight)
+        blamed = self._blamed(crash, in_flight, steps)
         for state in in_flight:
             self._unassign(state)
         for state in blamed:
@@ -609,13 +612,14 @@ class TokenizerManager(Actor):
             log.warning("resumed %d requests in flight", len(in_flight) + len(tried))
         return len(in_flight) + len(tried)
 
-    def _blamed(self, crash: str, in_flight: list[ReqState]) -> list[ReqState]:
+    def _blamed(self, crash: str, in_flight: list[ReqState],
+                steps: dict[int, set[str] | None] | None = None) -> list[ReqState]:
         """Those of ``in_flight`` (still assigned to their replica) that can have caused ``crash``: none
         unless it can be a request's fault (``blames``); else those in the step that died, as the
         replica's step journal says, or all of them where there is no journal."""
         if not blames(crash):
             return []
-        steps: dict[int, set[str] | None] = {}
+        steps = dict(steps or {})
         blamed = []
         for state in in_flight:
             replica = state.replica
