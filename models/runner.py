@@ -89,15 +89,34 @@ class SeqInput:
     prompt_ids: Sequence[int] = ()  # for the repetition penalty
     output_ids: Sequence[int] = ()  # tokens generated so far (penalties)
     allowed: torch.Tensor | None = None  # the next token's bitmask (a grammar's), see sampling.sample
+    # speculative decoding: the last `num_draft` new tokens are a draft to verify; a token is drawn
+    # after each of them too (`StepOutput.drafts`), as if the draft before it had been accepted: at
+    # its position, with the draft before it counted as output (penalties). Needs sample=True and no
+    # `allowed` mask (the mask is the next token's only).
+    num_draft: int = 0
+
+
+@dataclass
+class Draws:
+    """The tokens drawn after each draft token of a sequence (speculative decoding), in order."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
 
 
 @dataclass
 class StepOutput:
-    """Aligned with the step's inputs; None where a SeqInput had sample=False."""
+    """Aligned with the step's inputs; None where a SeqInput had sample=False.
+
+    For a sequence with a draft, ``token_ids[i]`` is the token drawn after its last token that
+    is not a draft (what a step without the draft would draw) and ``drafts[i]`` the draws after
+    each draft token; ``drafts`` is empty when no sequence of the step had a draft."""
 
     token_ids: list[int | None] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    drafts: list[Draws | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -211,23 +230,42 @@ class ModelRunner:
         out = StepOutput([None] * len(seqs), [None] * len(seqs), [None] * len(seqs))
         if not wanted:
             return out
-        picked = [seqs[order[j]] for j in wanted]
-        rows = torch.tensor([batch.last_rows[j] for j in wanted], device=self.device)
-        logits = self.model.logits(hidden[rows])
+        # one row of logits per draw: a sequence's last row, and before it one per draft token
+        rows, owners, params, positions, prompts, outputs, allowed = [], [], [], [], [], [], []
+        for j in wanted:
+            i = order[j]
+            s, last = seqs[i], batch.last_rows[j]
+            k = s.num_draft
+            if k < 0 or k >= len(s.token_ids) or (k and s.allowed is not None):
+                raise ValueError(f"num_draft {k} with {len(s.token_ids)} new tokens"
+                                 + (" and a mask" if s.allowed is not None else ""))
+            end = s.num_cached + len(s.token_ids)
+            draft = list(s.token_ids[len(s.token_ids) - k :]) if k else []
+            for d in range(k + 1):  # d = 0: the draw a step without the draft makes
+                rows.append(last - k + d)
+                owners.append(i)
+                params.append(s.params)
+                positions.append(end - k + d)
+                prompts.append(s.prompt_ids)
+                outputs.append([*s.output_ids, *draft[:d]] if d else s.output_ids)
+                allowed.append(s.allowed)
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         nan = torch.isnan(logits).any(dim=-1)
         if bool(nan.any()):
-            raise NonFiniteLogits([order[wanted[k]] for k in nan.nonzero().flatten().tolist()])
-        drawn = sample(
-            logits, [s.params for s in picked],
-            [s.num_cached + len(s.token_ids) for s in picked],
-            [s.prompt_ids for s in picked], [s.output_ids for s in picked],
-            allowed=[s.allowed for s in picked],
-        )
-        for k, j in enumerate(wanted):
+            raise NonFiniteLogits(sorted({owners[r] for r in nan.nonzero().flatten().tolist()}))
+        drawn = sample(logits, params, positions, prompts, outputs, allowed=allowed)
+        if len(rows) > len(wanted):
+            out.drafts = [None] * len(seqs)
+        r = 0
+        for j in wanted:
             i = order[j]
-            out.token_ids[i] = drawn.token_ids[k]
-            out.logprobs[i] = drawn.logprobs[k]
-            out.top_logprobs[i] = drawn.top_logprobs[k]
+            out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = \
+                drawn.token_ids[r], drawn.logprobs[r], drawn.top_logprobs[r]
+            k = seqs[i].num_draft
+            if k:
+                out.drafts[i] = Draws(drawn.token_ids[r + 1 : r + 1 + k], drawn.logprobs[r + 1 : r + 1 + k],
+                                      drawn.top_logprobs[r + 1 : r + 1 + k])
+            r += k + 1
         return out
 
     @torch.inference_mode()

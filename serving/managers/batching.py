@@ -11,6 +11,14 @@ When a decode would not fit, the newest running requests are retracted:
 their tokens go into the prefix cache (evictable), they return to the
 front of the waiting queue with their progress, and resume later, mostly
 from the cache.
+
+Speculative decoding (``speculative.py``): a decoding request may run its
+last token with a draft after it, an extend of 1 + k tokens; ``postprocess``
+keeps the draws while they confirm the draft and applies the stop checks to
+each token it keeps, as one decode step per token would. The K/V of the
+rejected positions lie past ``num_kv`` in the request's own pages (like the
+slots taken ahead), are overwritten by its next step and never reach the
+prefix cache; drafts take pages only from a pool with room to spare.
 """
 
 from __future__ import annotations
@@ -23,12 +31,13 @@ from typing import Any
 import numpy as np
 
 from models.errors import OutOfPages
-from models.runner import SeqInput
+from models.runner import SeqInput, StepOutput
 from models.sampling import SamplingParams as ModelSampling
 
 from .grammar import constraint_of
 from .messages import FinishReason, GenerateReq, GenerateReqId, SamplingParams
 from .radix_cache import RadixCache
+from .speculative import Drafter, SpeculativeConfig
 
 __all__ = ["Batch", "BatchState", "Limits", "Output", "Req"]
 
@@ -71,6 +80,7 @@ class Req:
     held: Output | None = None  # tokens not sent yet (Limits.stream_interval)
     alone: bool = False  # on probation: each step runs it in a model call of its own (GenerateReq.alone)
     boot: str = ""  # the tokenizer manager's incarnation that sent it (GenerateReq.boot)
+    drafter: Drafter | None = None  # its speculative drafts (None: plain decoding)
 
     @property
     def num_generated(self) -> int:
@@ -120,8 +130,12 @@ def to_model_sampling(s: SamplingParams) -> ModelSampling:
 
 class BatchState:
     def __init__(self, kv: Any, cache: RadixCache | None, eos_token_ids: frozenset[int],
-                 limits: Limits, vocab_size: int | None = None) -> None:
+                 limits: Limits, vocab_size: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.kv = kv
+        self.speculative = speculative if speculative is not None else SpeculativeConfig()
+        self.draft_tokens = 0  # draft tokens verified, and accepted (speculative decoding)
+        self.accepted_tokens = 0
         self.vocab_size = vocab_size
         self.grammars: Any = None  # a serving.managers.grammar.Grammars, once the scheduler has one
         self.cache = cache
@@ -181,6 +195,8 @@ class BatchState:
                 if not req.matcher.consume_token(token):
                     return self._end_now(req, FinishReason(
                         "abort", status_code=500, message="the output so far does not match the request's grammar"))
+        if self.speculative.enabled and req.matcher is None:  # a grammar's mask is for one next token only
+            req.drafter = Drafter(self.speculative)
         self.by_rid[req.rid] = req
         self.waiting.append(req)
         return None
@@ -238,7 +254,8 @@ class BatchState:
                 continue
             if remaining > 1:
                 budget -= n
-            self._add_to_batch(batch, req, n)
+            draft = self._draft(req) if remaining == 1 and req.drafter is not None else []
+            self._add_to_batch(batch, req, n, draft)
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.limits.max_running_requests:
                 break
@@ -249,9 +266,9 @@ class BatchState:
             self._add_to_batch(batch, req, n)
         return batch
 
-    def _add_to_batch(self, batch: Batch, req: Req, n: int) -> None:
+    def _add_to_batch(self, batch: Batch, req: Req, n: int, draft: list[int] | None = None) -> None:
         try:
-            seq = self._lay_out(req, n)
+            seq = self._lay_out(req, n, draft)
         except Exception as exc:  # noqa: BLE001 - this request's fault: it ends, the step goes on
             log.exception("request %s cannot be laid out for a step", req.rid)
             output = self.abort(req.rid, FinishReason("abort", status_code=500,
@@ -262,42 +279,92 @@ class BatchState:
         batch.reqs.append(req)
         batch.seqs.append(seq)
 
-    def _lay_out(self, req: Req, n: int) -> SeqInput:
+    def _lay_out(self, req: Req, n: int, draft: list[int] | None = None) -> SeqInput:
         new = req.tokens[req.num_kv : req.num_kv + n]
         last = req.num_kv + n == len(req.tokens)
-        return SeqInput(new, req.pages, req.num_kv, last, _with_logprobs(req), req.prompt_ids(), req.output_ids)
+        return SeqInput(new + draft if draft else new, req.pages, req.num_kv, last, _with_logprobs(req),
+                        req.prompt_ids(), req.output_ids, num_draft=len(draft) if draft else 0)
 
-    def postprocess(self, batch: Batch, sampled: Any) -> list[Output]:
+    def _draft(self, req: Req) -> list[int]:
+        """The draft ``req`` verifies this step (its decode already has its page): none while more
+        than ``max_batch`` requests run; never more tokens than it may still emit less one (the
+        draw after the draft is emitted too); cut to its own pages when the pool has no room to spare."""
+        if len(self.running) > self.speculative.max_batch:
+            return []
+        limit = min(_max_new(req.sampling) - req.num_generated, self.limits.max_context_len - len(req.tokens)) - 1
+        draft = req.drafter.draft(req.tokens, limit)
+        if not draft:
+            return draft
+        room = len(req.pages) * self.kv.page_size - req.num_kv - 1  # slots held past the decoded token
+        if room < len(draft):
+            wanted = self.kv.pages_for(req.num_kv + 1 + len(draft)) - len(req.pages)
+            if wanted <= (self.kv.num_free - len(self.running)) // 2:  # leave the decodes of this step theirs
+                req.pages.extend(self.kv.allocate(wanted + self._ahead(req, wanted), after=req.pages[-1]))
+            else:
+                draft = draft[: max(room, 0)]
+        return draft
+
+    def postprocess(self, batch: Batch, sampled: StepOutput) -> list[Output]:
         outputs = []
         for i, (req, seq) in enumerate(zip(batch.reqs, batch.seqs)):
-            req.num_kv += len(seq.token_ids)
+            req.num_kv += len(seq.token_ids) - seq.num_draft
             token = sampled.token_ids[i]
             if token is None or req.finished is not None or req.rid not in self.by_rid:
                 continue  # a prefill chunk, or aborted while the step ran
-            req.tokens.append(token)
-            logprobs = [sampled.logprobs[i]] if req.return_logprob else []
-            top = [sampled.top_logprobs[i] or []] if req.return_logprob and req.top_logprobs_num else []
-            req.finished = self._stop_reason(req, token) or self._grammar_end(req, token)
+            new_ids, logprobs, top = [], [], []
+            for j, (token, logprob, alternatives) in enumerate(self._emitted(req, seq, sampled, i)):
+                if j:  # the draft token before it was accepted: its K/V stands
+                    req.num_kv += 1
+                req.tokens.append(token)
+                new_ids.append(token)
+                if req.return_logprob:
+                    logprobs.append(logprob)
+                    if req.top_logprobs_num:
+                        top.append(alternatives or [])
+                req.finished = self._stop_reason(req, token) or self._grammar_end(req, token)
+                if req.finished is not None:
+                    break
             if req.finished is not None:
                 del self.by_rid[req.rid]
                 self.running.remove(req)
                 self._release(req, keep=True)
-            out = Output(req, [token], logprobs, top)
+            out = Output(req, new_ids, logprobs, top)
             if req.held is not None:  # the tokens stream_interval held back go first
                 held, req.held = req.held, None
                 out = Output(req, held.new_ids + out.new_ids, held.logprobs + out.logprobs,
                              held.top_logprobs + out.top_logprobs)
-            if req.finished is None and self._holds(req):
+            if req.finished is None and self._holds(req, len(new_ids)):
                 req.held = out
             else:
                 outputs.append(out)
         return outputs
 
-    def _holds(self, req: Req) -> bool:
-        """Whether this token waits for more (stream_interval): not the first of this incarnation."""
+    def _emitted(self, req: Req, seq: SeqInput, sampled: StepOutput, i: int) -> list[tuple[int, float, Any]]:
+        """(token, logprob, top logprobs) a step gave ``req``: the token drawn after its last token, then,
+        while each draw equals the draft token it was drawn at, the draw after that draft token. Draws
+        a step did not report (a request stepped alone after a failure) count as a draft rejected."""
+        emitted = [(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])]
+        k = seq.num_draft
+        if not k:
+            return emitted
+        draws = sampled.drafts[i] if sampled.drafts else None
+        draft = seq.token_ids[len(seq.token_ids) - k :]
+        accepted = 0
+        while draws is not None and accepted < k and emitted[-1][0] == draft[accepted]:
+            emitted.append((draws.token_ids[accepted], draws.logprobs[accepted], draws.top_logprobs[accepted]))
+            accepted += 1
+        req.drafter.verified(k, accepted)
+        self.draft_tokens += k
+        self.accepted_tokens += accepted
+        return emitted
+
+    def _holds(self, req: Req, n_new: int = 1) -> bool:
+        """Whether the ``n_new`` tokens just generated wait for more (stream_interval): not when they hold
+        the first of this incarnation or reach a multiple of the interval."""
         interval = self.limits.stream_interval
         fresh = req.num_generated - req.num_prior
-        return interval > 1 and fresh > 1 and fresh % interval != 0
+        before = fresh - n_new
+        return interval > 1 and before > 0 and fresh // interval == before // interval
 
     def _grammar_end(self, req: Req, token: int) -> FinishReason | None:
         """A constrained request ends when its grammar can go no further (or, never, rejects a token)."""

@@ -1,0 +1,273 @@
+"""Speculative decoding (n-gram drafts, serving/managers/speculative.py): the drafts, and that a
+request's tokens, logprobs, finish reason and streamed pieces with drafts verified are exactly those
+of plain decoding, its KV pages all come back and the prefix cache holds only accepted tokens."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from models.runner import ModelRunner
+from serving.managers.batching import BatchState, Limits
+from serving.managers.messages import FinishReason, GenerateReq, SamplingParams
+from serving.managers.radix_cache import RadixCache
+from serving.managers.speculative import MAX_COOLDOWN, Drafter, SpeculativeConfig, propose
+
+NGRAM = SpeculativeConfig("ngram", num_draft=4, max_ngram=3, min_ngram=1)
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=7, ignore_eos=True)
+PENALISED = SamplingParams(max_new_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2, ignore_eos=True)
+
+
+# -- drafting -------------------------------------------------------------------------------
+
+def draft(tokens, k=4, hi=3, lo=1):
+    return propose(np.asarray(tokens), num_draft=k, max_ngram=hi, min_ngram=lo)
+
+
+def test_the_tokens_after_the_longest_earlier_match_are_proposed():
+    assert draft([5, 6, 7, 8, 9, 1, 2, 6, 7]) == [8, 9, 1, 2]  # [6, 7] seen before: what followed it
+    assert draft([5, 6, 7, 8, 9, 1, 2, 6, 7], k=2) == [8, 9]
+    assert draft([1, 2, 3, 4, 9, 3, 5, 2, 3]) == [4, 9, 3, 5]  # "2 3" (2 tokens) beats the later "3"
+    assert draft([1, 2, 3, 4, 9, 3, 5, 3]) == [5, 3]  # the most recent of equal matches; ends at the end
+    assert draft([1, 2, 3, 4, 5]) == []  # nothing repeats
+    assert draft([3, 4, 5, 3], lo=2) == []  # a one-token match is too short here
+    assert draft([3, 4, 5, 3], lo=1) == [4, 5, 3]
+    assert draft([7]) == [] and draft([]) == []
+    assert draft([7, 7, 7, 7]) == [7]  # the match ending just before the suffix: one token follows it
+
+
+def test_a_longer_ngram_than_the_sequence_is_fine():
+    assert draft([1, 2, 1, 2], hi=8) == [1, 2]
+    assert draft([9, 1, 2, 1, 2], hi=8, lo=2) == [1, 2]
+
+
+def test_the_drafter_follows_a_growing_sequence_and_backs_off_after_misses():
+    d = Drafter(NGRAM)
+    tokens = list(range(300)) + [10, 11]  # grows past the first buffer
+    assert d.draft(tokens, 8) == [12, 13, 14, 15]
+    assert d.draft(tokens, 2) == [12, 13]
+    tokens += [12]
+    assert d.draft(tokens, 8) == [13, 14, 15, 16]
+    waits = []
+    for _ in range(8):  # misses: 1, 2, 4, 8, 16, 16 ... steps without a draft
+        d.verified(4, 0)
+        n = 0
+        while not d.draft(tokens, 8):
+            n += 1
+        waits.append(n)
+    assert waits == [1, 2, 4, 8, 16, 16, 16, 16] and MAX_COOLDOWN == 16
+    d.verified(4, 1)  # a hit resets it
+    assert d.draft(tokens, 8)
+    assert (d.proposed, d.accepted) == (36, 1)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("method", "eagle", "speculative:"), ("num_draft", 0, "speculative_num_draft"),
+    ("num_draft", 17, "speculative_num_draft"), ("min_ngram", 4, "speculative_min_ngram"),
+    ("max_batch", 0, "speculative_max_batch"),
+])
+def test_a_bad_config_is_refused_naming_the_field(field, value, named):
+    with pytest.raises(ValueError, match=named):
+        SpeculativeConfig(**{"method": "ngram", field: value})
+
+
+# -- through the scheduler's state, with the tiny model ------------------------------------------
+
+class Oracle:
+    """A drafter that knows the plain output (``truth``, the tokens after the prompt) and proposes it,
+    with the token at each output index in ``wrong`` changed; ``ignore_limit`` proposes past what the
+    request may still emit (the stop checks must cut it)."""
+
+    def __init__(self, num_prompt, truth, wrong=(), k=4, ignore_limit=False):
+        self.num_prompt, self.truth, self.wrong, self.k, self.ignore_limit = num_prompt, truth, set(wrong), k, ignore_limit
+        self.proposed = self.accepted = 0
+
+    def draft(self, tokens, limit):
+        g = len(tokens) - self.num_prompt  # the next draw is truth[g]
+        n = self.k if self.ignore_limit else min(self.k, limit)
+        out = [t if g + j not in self.wrong else (t + 1) % 1000 for j, t in enumerate(self.truth[g : g + n])]
+        return out + [5] * (n - len(out)) if self.ignore_limit else out
+
+    def verified(self, proposed, accepted):
+        self.proposed += proposed
+        self.accepted += accepted
+
+
+def make_runner(loaded, dtype=torch.float32, page_size=1):
+    return ModelRunner(loaded, dtype=dtype, page_size=page_size, kv_budget_bytes=64 << 20)
+
+
+def make_state(runner, speculative=None, eos=None, **limits):
+    cache = RadixCache(runner.kv.free, page_size=runner.kv.page_size)
+    return BatchState(runner.kv, cache, runner.eos_token_ids if eos is None else eos, Limits(**limits),
+                      speculative=speculative)
+
+
+def run(state, runner, reqs, drafters=None, clean=True):
+    """Drain ``state`` of ``reqs``; per rid: ids, logprobs, top logprobs, finish, completion tokens, pieces.
+    ``clean``: then empty the prefix cache and check that the pool has every page back."""
+    for r in reqs:
+        assert state.add(r) is None
+    for rid, drafter in (drafters or {}).items():
+        state.by_rid[rid].drafter = drafter
+    out = {}
+    for n in range(10_000):
+        if state.idle:
+            if clean:
+                assert_clean(state)
+            return out
+        batch = state.schedule()
+        for o in state.postprocess(batch, runner.step(batch.seqs)):
+            e = out.setdefault(o.req.rid, {"ids": [], "logprobs": [], "top": [], "pieces": []})
+            e["ids"] += o.new_ids
+            e["logprobs"] += o.logprobs
+            e["top"] += o.top_logprobs
+            e["pieces"].append(len(o.new_ids))
+            e["finished"], e["completion"] = o.req.finished, o.req.num_generated
+    raise AssertionError("did not finish")
+
+
+def req(rid, ids, sampling=GREEDY, logprobs=True):
+    return GenerateReq(rid, np.asarray(ids, dtype=np.int32), sampling, return_logprob=logprobs,
+                       top_logprobs_num=3 if logprobs else 0)
+
+
+def prompts(n, seed=0, lengths=(4, 40)):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def without_pieces(results):
+    return {rid: {k: v for k, v in e.items() if k != "pieces"} for rid, e in results.items()}
+
+
+def assert_clean(state):
+    state.cache.reset()
+    assert state.kv.num_free == state.kv.num_pages
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def runner(request, tiny_loaded):
+    return make_runner(tiny_loaded, getattr(torch, request.param))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, PENALISED], ids=["greedy", "seeded", "penalties"])
+def test_verified_drafts_give_plain_decoding_bitwise(runner, sampling):
+    """Six requests together: random prompts (the n-gram drafts miss) and repeating ones, and three with
+    oracle drafts that are partly wrong (accepted up to the first wrong token, the rest rejected)."""
+    ps = prompts(4, seed=1) + [p * 3 for p in prompts(2, seed=2, lengths=(3, 6))]
+    plain = run(make_state(runner), runner, [req(f"r{i}", p, sampling) for i, p in enumerate(ps)])
+    assert_all = without_pieces(plain)
+    spec = make_state(runner, NGRAM)
+    oracles = {f"r{i}": Oracle(len(ps[i]), plain[f"r{i}"]["ids"], wrong=wrong)
+               for i, wrong in ((0, ()), (1, (3, 4, 11)), (4, (2, 9, 10, 15, 19)))}
+    got = run(spec, runner, [req(f"r{i}", p, sampling) for i, p in enumerate(ps)], oracles)
+    assert without_pieces(got) == assert_all
+    assert oracles["r0"].accepted == oracles["r0"].proposed > 0
+    assert 0 < oracles["r4"].accepted < oracles["r4"].proposed
+    assert max(got["r0"]["pieces"]) > 1  # several tokens a step
+    assert spec.draft_tokens > 0
+
+
+@pytest.mark.parametrize("case", ["stop_token", "eos", "max_new_tokens", "context", "stop_token_limitless"])
+def test_a_stop_inside_an_accepted_draft_ends_it_as_plain_decoding(runner, case):
+    p = prompts(1, seed=5)[0]
+    truth = run(make_state(runner), runner, [req("a", p, GREEDY)])["a"]["ids"]
+    at = next(i for i in range(5, len(truth)) if truth[i] not in truth[:i])  # its first occurrence
+    sampling, eos, limits = GREEDY, None, {}
+    if case.startswith("stop_token"):
+        sampling = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[truth[at]], ignore_eos=True)
+    elif case == "eos":
+        sampling = SamplingParams(max_new_tokens=24, temperature=0.0, min_new_tokens=2)
+        eos = frozenset({truth[at]})
+    elif case == "max_new_tokens":
+        sampling = SamplingParams(max_new_tokens=at + 1, temperature=0.0, ignore_eos=True)
+    else:
+        limits = {"max_context_len": len(p) + at + 1}
+    plain = run(make_state(runner, eos=eos, **limits), runner, [req("a", p, sampling)])["a"]
+    assert len(plain["ids"]) == at + 1
+    state = make_state(runner, NGRAM, eos=eos, **limits)
+    oracle = Oracle(len(p), truth, k=6, ignore_limit=case in ("max_new_tokens", "stop_token_limitless"))
+    got = run(state, runner, [req("a", p, sampling)], {"a": oracle}, clean=False)["a"]
+    assert without_pieces({"a": got}) == without_pieces({"a": plain})
+    assert got["finished"] == plain["finished"] and got["completion"] == at + 1
+    assert oracle.accepted > 0 and len(got["pieces"]) < len(plain["pieces"])
+    # the prefix cache holds the prompt and every token kept but the last (its K/V never computed), no more
+    assert state.cache.cached_pages == len(p) + at
+    assert state.cache.match_prefix(p + got["ids"] + [0]).num_tokens == len(p) + at
+    assert_clean(state)
+
+
+def test_rejected_positions_never_reach_the_prefix_cache(tiny_loaded):
+    """Every draft wrong after its first token, pages of 4 tokens: the cache ends up with the whole pages
+    of prompt + output (accepted tokens only) and the pool gets every page back."""
+    runner = make_runner(tiny_loaded, page_size=4)
+    p = prompts(1, seed=6, lengths=(13, 13))[0]
+    truth = run(make_state(runner), runner, [req("a", p)])["a"]["ids"]
+    state = make_state(runner, NGRAM)
+    oracle = Oracle(len(p), truth, wrong=range(1, 24, 2), k=4)
+    got = run(state, runner, [req("a", p)], {"a": oracle}, clean=False)["a"]
+    assert got["ids"] == truth and 0 < oracle.accepted < oracle.proposed
+    kept = p + truth[:-1]
+    assert state.cache.cached_pages == len(kept) // 4
+    assert state.cache.match_prefix(kept + [0]).num_tokens == len(kept) // 4 * 4
+    assert_clean(state)
+
+
+def test_an_abort_while_a_draft_runs_gives_every_page_back(runner):
+    ps = prompts(2, seed=8)
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    truths = run(make_state(runner), runner, [req(f"r{i}", p, long) for i, p in enumerate(ps)])
+    state = make_state(runner, NGRAM)
+    for i, p in enumerate(ps):
+        state.add(req(f"r{i}", p, long))
+        state.by_rid[f"r{i}"].drafter = Oracle(len(p), truths[f"r{i}"]["ids"])
+    got = {"r0": [], "r1": []}
+    for step in range(100):
+        if state.idle:
+            break
+        batch = state.schedule()
+        sampled = runner.step(batch.seqs)
+        if step == 4:
+            assert any(s.num_draft for s in batch.seqs)
+            assert state.abort("r0", FinishReason("abort", message="bye")) is not None
+        for o in state.postprocess(batch, sampled):
+            got[o.req.rid] += o.new_ids
+    assert got["r1"] == truths["r1"]["ids"]
+    assert got["r0"] == truths["r0"]["ids"][: len(got["r0"])] and len(got["r0"]) < 40
+    assert_clean(state)
+
+
+def test_no_drafts_while_a_big_batch_runs_nor_for_a_single_token_left(runner):
+    ps = [p * 3 for p in prompts(3, seed=9, lengths=(3, 5))]
+    state = make_state(runner, SpeculativeConfig("ngram", min_ngram=1, max_batch=2))
+    for i, p in enumerate(ps):
+        state.add(req(f"r{i}", p))
+    for _ in range(6):
+        batch = state.schedule()
+        assert not any(s.num_draft for s in batch.seqs)  # three run, two may draft
+        state.postprocess(batch, runner.step(batch.seqs))
+    one = make_state(runner, NGRAM)
+    one.add(req("a", ps[0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
+    batch = one.schedule()
+    assert batch.seqs[0].num_draft == 0
+    one.postprocess(batch, runner.step(batch.seqs))
+    assert one.idle
+    for rid in list(state.by_rid):
+        state.abort(rid, FinishReason("abort"))
+    one.cache.reset()
+    assert_clean(state)
+
+
+def test_stream_interval_with_several_tokens_a_step_sends_what_plain_decoding_sends(runner):
+    p = prompts(1, seed=10)[0]
+    truth = run(make_state(runner), runner, [req("a", p)])["a"]["ids"]
+    plain = run(make_state(runner, stream_interval=3), runner, [req("a", p)])["a"]
+    state = make_state(runner, NGRAM, stream_interval=3)
+    got = run(state, runner, [req("a", p)], {"a": Oracle(len(p), truth, wrong=(7,), k=5)})["a"]
+    assert without_pieces({"a": got}) == without_pieces({"a": plain})
+    assert got["pieces"][0] == 1  # the first token at once
+    assert len(got["pieces"]) < len(plain["pieces"])
