@@ -32,6 +32,11 @@ with msgspec. Each run reports the client's own CPU seconds
 (``client_cpu_s``): the share of a small machine the load generator took.
 Each run in a sweep draws fresh prompts (a prefix cache gets no free hits).
 
+``--workload lookup`` sends prompts that contain their answer instead: a passage of
+about ``--input-len`` tokens (sentences of prose and code lines, shuffled per
+prompt) and the instruction to repeat it word for word -- where speculative
+decoding by prompt lookup (n-gram drafts) pays. Its prompts are text.
+
 Before the sweep (the server idle), the speed of light (``roofline.py``): this
 machine's read bandwidth and GEMM peak, and the bytes and FLOPs per token of the
 model as tercet's runner holds it (``--roofline-model``, default the embedded
@@ -66,6 +71,25 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
          "which this be or had not but first one their its new after who they have two "
          "time city year world over during more only can three other been into most").split()
 METRICS = ("ttft", "tpot", "itl", "e2e")
+# --workload lookup: the pieces its passages are shuffled from (about 16 tokens each)
+PASSAGE_PIECES = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk.",
+    "He wound the clockwork, trimmed the wick and polished the great lens.",
+    "Ships passing the rocky point saw the beam sweep across the dark water.",
+    "Their captains knew, when they saw it, that they were close to home.",
+    "In the spring the river rose over its banks and flooded the low meadows.",
+    "The farmers moved their sheep to the hills and waited for the water to fall.",
+    "A small library stood at the corner of the market square, built of red brick.",
+    "Its shelves held maps of the coast, old almanacs and a history of the town.",
+    "def moving_average(values, window):\n    total = sum(values[:window])",
+    "    for i in range(window, len(values)):\n        total += values[i] - values[i - window]",
+    "class Cache:\n    def __init__(self, size):\n        self.size = size",
+    "    def get(self, key, default=None):\n        return self.items.get(key, default)",
+    "The committee met on Tuesday to review the budget for the coming year.",
+    "After a long discussion they agreed to repair the bridge before the winter.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    "The baker opened his shop at five, and the smell of bread filled the street.",
+)
 
 
 @dataclass
@@ -353,13 +377,27 @@ async def send_one(client: RawHTTP, path: str, body: dict, input_len: int,
 def make_prompts(rng: np.random.Generator, n: int, args, text: bool) -> list:
     """``n`` random prompts of ``--input-len`` tokens (or words); with ``--system-prompts K``,
     each begins with one of K shared system prompts of ``--system-len`` (drawn at random; the
-    same K in every run), then its own random rest."""
+    same K in every run), then its own random rest. ``--workload lookup``: ``lookup_prompts``."""
+    if args.workload == "lookup":
+        return lookup_prompts(rng, n, args.input_len, args.endpoint == "chat")
     if not args.system_prompts:
         return random_prompts(rng, n, args.input_len, args, text)
     systems = random_prompts(np.random.default_rng([args.seed, 7]), args.system_prompts, args.system_len, args, text)
     own = random_prompts(rng, n, args.input_len - args.system_len, args, text)
     picks = rng.integers(0, args.system_prompts, size=n)
     return [f"{systems[k]} {rest}" if text else systems[k] + rest for k, rest in zip(picks, own)]
+
+
+def lookup_prompts(rng: np.random.Generator, n: int, length: int, chat: bool) -> list[str]:
+    """``n`` prompts that ask to repeat a passage of about ``length`` tokens they hold (pieces of
+    ``PASSAGE_PIECES`` in a fresh order each), as a chat message or a completion prompt."""
+    out = []
+    for _ in range(n):
+        pieces = [PASSAGE_PIECES[i] for i in rng.permutation(len(PASSAGE_PIECES))]
+        passage = " ".join(pieces[: max(1, min(len(pieces), round(length / 16)))])
+        out.append(f"Repeat the following text word for word.\n\n{passage}" if chat
+                   else f"{passage}\n\nThe text above, repeated word for word:\n\n")
+    return out
 
 
 def random_prompts(rng: np.random.Generator, n: int, length: int, args, text: bool) -> list:
@@ -456,7 +494,7 @@ async def benchmark(args) -> dict:
     client = RawHTTP(args.base_url, args.api_key)
     try:
         model = args.model or await pick_model(client)
-        text = args.text_prompts or args.endpoint == "chat"
+        text = args.text_prompts or args.endpoint == "chat" or args.workload == "lookup"
         if not text and not await accepts_token_ids(client, args, model):
             print("bench_serving: server refuses token-id prompts; sending text", file=sys.stderr)
             text = True
@@ -565,6 +603,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="tokens to generate (default 128)")
     p.add_argument("--num-prompts", type=int, default=None, help="per run (default 200)")
     p.add_argument("--text-prompts", action="store_true", help="random words, not token ids")
+    p.add_argument("--workload", choices=("random", "lookup"), default="random",
+                   help="random: random prompts (default); lookup: prompts asking to repeat a passage they "
+                   "hold (where n-gram speculative decoding pays; text, up to 16 pieces of ~16 tokens)")
     p.add_argument("--token-low", type=int, default=1000, help="random token ids from here")
     p.add_argument("--token-high", type=int, default=20000, help="... up to here (exclusive)")
     p.add_argument("--request-rate", type=float, default=math.inf,

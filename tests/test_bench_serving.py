@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import trio
 
@@ -146,3 +147,16 @@ def test_the_shared_prefix_workload_and_its_cache_hit_rate():
                            float("inf"))["cache_hit_rate"] is None
     with pytest.raises(SystemExit):
         bench.parse_args(["--base-url", "http://x", "--input-len", "8", "--system-prompts", "2", "--system-len", "8"])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_the_lookup_workload_sends_prompts_that_hold_their_answer(nursery, endpoint):
+    """--workload lookup (where n-gram speculative decoding pays): text prompts asking to repeat a
+    passage of about --input-len tokens, shuffled per prompt."""
+    args = bench.parse_args(["--base-url", "http://x", "--workload", "lookup", "--input-len", "64",
+                             "--endpoint", endpoint])
+    prompts = bench.make_prompts(np.random.default_rng(0), 3, args, text=False)
+    assert len(set(prompts)) == 3 and all(isinstance(p, str) and "word for word" in p for p in prompts)
+    assert all(sum(piece in p for piece in bench.PASSAGE_PIECES) == 4 for p in prompts)  # 64 / 16
+    run = await run_against(nursery, StubConfig(), "--workload", "lookup", "--endpoint", endpoint)
+    assert run["failed"] == 0 and run["completed"] == 12
