@@ -231,7 +231,7 @@ class ModelRunner:
         if not wanted:
             return out
         # one row of logits per draw: a sequence's last row, and before it one per draft token
-        rows, owners, params, positions, prompts, outputs, allowed = [], [], [], [], [], [], []
+        rows, owners, drafted, params, positions, prompts, outputs, allowed = [], [], [], [], [], [], [], []
         for j in wanted:
             i = order[j]
             s, last = seqs[i], batch.last_rows[j]
@@ -244,6 +244,7 @@ class ModelRunner:
             for d in range(k + 1):  # d = 0: the draw a step without the draft makes
                 rows.append(last - k + d)
                 owners.append(i)
+                drafted.append(d > 0)
                 params.append(s.params)
                 positions.append(end - k + d)
                 prompts.append(s.prompt_ids)
@@ -251,8 +252,19 @@ class ModelRunner:
                 allowed.append(s.allowed)
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         nan = torch.isnan(logits).any(dim=-1)
+        cut: dict[int, int] = {}  # a sequence's draws end before a draft row with NaN logits
         if bool(nan.any()):
-            raise NonFiniteLogits(sorted({owners[r] for r in nan.nonzero().flatten().tolist()}))
+            bad = nan.nonzero().flatten().tolist()
+            failed = sorted({owners[r] for r in bad if not drafted[r]})
+            if failed:  # where plain decoding would have drawn: the request's answer
+                raise NonFiniteLogits(failed)
+            # past a draft token that plain decoding may never reach: the draft is rejected there
+            logits[nan] = 0.0
+            first: dict[int, int] = {}
+            for r, i in enumerate(owners):
+                first.setdefault(i, r)
+            for r in bad:  # (rows of a sequence are in order: the first bad one cuts)
+                cut.setdefault(owners[r], r - first[owners[r]] - 1)
         drawn = sample(logits, params, positions, prompts, outputs, allowed=allowed)
         if len(rows) > len(wanted):
             out.drafts = [None] * len(seqs)
@@ -263,8 +275,9 @@ class ModelRunner:
                 drawn.token_ids[r], drawn.logprobs[r], drawn.top_logprobs[r]
             k = seqs[i].num_draft
             if k:
-                out.drafts[i] = Draws(drawn.token_ids[r + 1 : r + 1 + k], drawn.logprobs[r + 1 : r + 1 + k],
-                                      drawn.top_logprobs[r + 1 : r + 1 + k])
+                end = r + 1 + cut.get(i, k)
+                out.drafts[i] = Draws(drawn.token_ids[r + 1 : end], drawn.logprobs[r + 1 : end],
+                                      drawn.top_logprobs[r + 1 : end])
             r += k + 1
         return out
 

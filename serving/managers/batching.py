@@ -289,7 +289,7 @@ class BatchState:
         """The draft ``req`` verifies this step (its decode already has its page): none while more
         than ``max_batch`` requests run; never more tokens than it may still emit less one (the
         draw after the draft is emitted too); cut to its own pages when the pool has no room to spare."""
-        if len(self.running) > self.speculative.max_batch:
+        if len(self.running) > self.speculative.max_batch or req.alone:  # (on probation: one call, no more rows)
             return []
         limit = min(_max_new(req.sampling) - req.num_generated, self.limits.max_context_len - len(req.tokens)) - 1
         draft = req.drafter.draft(req.tokens, limit)
@@ -342,7 +342,8 @@ class BatchState:
     def _emitted(self, req: Req, seq: SeqInput, sampled: StepOutput, i: int) -> list[tuple[int, float, Any]]:
         """(token, logprob, top logprobs) a step gave ``req``: the token drawn after its last token, then,
         while each draw equals the draft token it was drawn at, the draw after that draft token. Draws
-        a step did not report (a request stepped alone after a failure) count as a draft rejected."""
+        a step did not report (a request stepped alone after a failure, a draw past NaN logits) count as the
+        draft rejected there."""
         emitted = [(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])]
         k = seq.num_draft
         if not k:
@@ -350,7 +351,7 @@ class BatchState:
         draws = sampled.drafts[i] if sampled.drafts else None
         draft = seq.token_ids[len(seq.token_ids) - k :]
         accepted = 0
-        while draws is not None and accepted < k and emitted[-1][0] == draft[accepted]:
+        while draws is not None and accepted < len(draws.token_ids) and emitted[-1][0] == draft[accepted]:
             emitted.append((draws.token_ids[accepted], draws.logprobs[accepted], draws.top_logprobs[accepted]))
             accepted += 1
         req.drafter.verified(k, accepted)

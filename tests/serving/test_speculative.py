@@ -271,3 +271,76 @@ def test_stream_interval_with_several_tokens_a_step_sends_what_plain_decoding_se
     assert without_pieces({"a": got}) == without_pieces({"a": plain})
     assert got["pieces"][0] == 1  # the first token at once
     assert len(got["pieces"]) < len(plain["pieces"])
+
+
+def test_nan_logits_past_a_draft_token_reject_the_draft_there_and_before_it_end_the_request(
+        tiny_loaded, monkeypatch):
+    from models.errors import NonFiniteLogits
+    from models.runner import SeqInput
+
+    runner = make_runner(tiny_loaded)
+    real = runner.model.logits
+    poisoned = []
+
+    def logits(hidden):
+        out = real(hidden)
+        for row in poisoned:
+            out[row] = float("nan")
+        return out
+
+    monkeypatch.setattr(runner.model, "logits", logits)
+    pages = runner.kv.allocate(16)
+    seq = lambda: SeqInput([5, 6, 7, 8, 9], pages, 0, num_draft=3)  # noqa: E731 - draws after 6, 7, 8, 9
+    clean = runner.step([seq()])
+    poisoned[:] = [3]  # after the draft's third token: two draws stand
+    cut = runner.step([seq()])
+    assert cut.token_ids == clean.token_ids and cut.drafts[0].token_ids == clean.drafts[0].token_ids[:2]
+    poisoned[:] = [0]  # where plain decoding draws: the request's own error
+    with pytest.raises(NonFiniteLogits):
+        runner.step([seq()])
+    runner.kv.free(pages)
+
+
+# -- SmolLM2, the embedded model ------------------------------------------------------------------
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
+           "trimmed the wick and polished the great lens until it shone. Ships passing the rocky point "
+           "saw the beam sweep across the water, and their captains knew they were close to home.")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from models.loading import load_model
+
+    loaded = load_model(None)
+    tokenizer = loaded.tokenizer
+
+    def chat(question):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    return loaded, chat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_with_drafts_gives_plain_decoding_bitwise(smollm2, dtype):
+    """A passage to repeat and one to edit (the drafts hit), and random tokens (they miss), greedy and
+    seeded-sampled, all together: the same tokens, logprobs and finish reasons as plain decoding."""
+    loaded, chat = smollm2
+    runner = ModelRunner(loaded, dtype=getattr(torch, dtype), kv_budget_bytes=64 << 20)
+    repeat = chat(f"Repeat this passage word for word:\n\n{PASSAGE}")
+    edit = chat(f"Rewrite this passage in the past perfect tense, changing nothing else:\n\n{PASSAGE}")
+    noise = prompts(1, seed=11, lengths=(40, 40))[0]
+    long = {"max_new_tokens": 64, "ignore_eos": False}
+    reqs = lambda: [req("repeat", repeat, SamplingParams(temperature=0.0, **long)),  # noqa: E731
+                    req("edit", edit, SamplingParams(temperature=0.0, **long)),
+                    req("sampled", repeat, SamplingParams(temperature=0.7, top_p=0.9, seed=5, **long)),
+                    req("noise", noise, SamplingParams(temperature=0.0, **long))]
+    plain = run(make_state(runner), runner, reqs())
+    state = make_state(runner, SpeculativeConfig("ngram"))
+    got = run(state, runner, reqs())
+    assert without_pieces(got) == without_pieces(plain)
+    assert state.accepted_tokens > 32  # the passage repeats: most drafts hold
+    assert max(got["repeat"]["pieces"]) > 1
