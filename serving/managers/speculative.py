@@ -9,9 +9,11 @@ accepted while each draw equals the draft token it follows; what is emitted is a
 the draws, so the text is what plain decoding gives whenever a position's logits do not
 depend on how many tokens a step computes (the deterministic mode).
 
-A draft that misses costs a step of 1 + k rows for one token, so a request whose drafts
-keep missing backs off: after a draft with nothing accepted it waits 1, 2, 4 ... up to
-``MAX_COOLDOWN`` steps before it drafts again; a draft with anything accepted resets that.
+A draft that misses costs a step of 1 + k rows for one token, so a request drafts only
+as far as its drafts have been holding, and backs off when they miss: after a draft
+accepted whole, the next may be ``num_draft`` long; after one accepted up to token a, a + 1
+long; after a draft with nothing accepted it is one token long, and the request waits
+1, 2, 4 ... up to ``MAX_COOLDOWN`` steps before it drafts again (anything accepted resets that).
 
 Pure Python and numpy, per request a growing int32 copy of its tokens (``Drafter``): the
 lookup compares whole arrays, tens of microseconds for a context of thousands of tokens.
@@ -91,7 +93,7 @@ def propose(tokens: np.ndarray, *, num_draft: int, max_ngram: int, min_ngram: in
 class Drafter:
     """One request's drafts: its tokens as a growing array, and its back-off after misses."""
 
-    __slots__ = ("config", "_buf", "_len", "_cooldown", "_wait", "proposed", "accepted")
+    __slots__ = ("config", "_buf", "_len", "_cooldown", "_wait", "_k", "proposed", "accepted")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -99,6 +101,7 @@ class Drafter:
         self._len = 0
         self._cooldown = 0  # steps to wait after the next miss (0: none yet)
         self._wait = 0  # steps left before drafting again
+        self._k = config.num_draft  # the next draft's length, at most
         self.proposed = 0  # draft tokens verified, and accepted (for acceptance rates)
         self.accepted = 0
 
@@ -108,7 +111,7 @@ class Drafter:
         if self._wait > 0:
             self._wait -= 1
             return []
-        limit = min(limit, self.config.num_draft)
+        limit = min(limit, self._k)
         if limit <= 0:
             return []
         self._sync(tokens)
@@ -119,6 +122,7 @@ class Drafter:
         """A draft of ``proposed`` tokens had its first ``accepted`` accepted."""
         self.proposed += proposed
         self.accepted += accepted
+        self._k = self.config.num_draft if accepted == proposed else accepted + 1
         if accepted:
             self._cooldown = 0
         else:

@@ -59,9 +59,12 @@ def test_the_drafter_follows_a_growing_sequence_and_backs_off_after_misses():
             n += 1
         waits.append(n)
     assert waits == [1, 2, 4, 8, 16, 16, 16, 16] and MAX_COOLDOWN == 16
-    d.verified(4, 1)  # a hit resets it
-    assert d.draft(tokens, 8)
-    assert (d.proposed, d.accepted) == (36, 1)
+    assert d.draft(tokens, 8) == [13]  # after a miss: one token
+    d.verified(1, 1)  # accepted whole: num_draft again
+    assert d.draft(tokens, 8) == [13, 14, 15, 16]
+    d.verified(4, 2)  # accepted up to its third token: three
+    assert d.draft(tokens, 8) == [13, 14, 15]
+    assert (d.proposed, d.accepted) == (37, 3)
 
 
 @pytest.mark.parametrize("field, value, named", [
