@@ -245,6 +245,12 @@ class Actor:
     async def on_start(self, ctx: Context) -> None:
         """Runs after the mailbox is bound and before the actor reports ready."""
 
+    async def until_ready(self) -> None:
+        """Returns once the actor serves (the default: when ``on_start`` returned). An actor with
+        something long to do first (a model to load) starts it in ``on_start`` and waits for it
+        here: its mailbox is read meanwhile (it can answer "not yet"), and its child reports
+        ready, to a supervisor or a parent process, only when this returns."""
+
     async def handle(self, msg: Any) -> Any:
         raise NotImplementedError
 
@@ -276,6 +282,7 @@ class ActorChild:
         self.stats = ActorStats(address)
         self._stop_requested = trio.Event()
         self._waiting: trio.CancelScope | None = None
+        self.bound = trio.Event()  # the mailbox is read: set before ``until_ready`` returns
 
     def request_stop(self) -> None:
         self._stop_requested.set()
@@ -297,7 +304,11 @@ class ActorChild:
                 handoff_send, handoff_receive = trio.open_memory_channel[Any](self.capacity)
                 nursery.start_soon(_route_replies, inbox, ctx, handoff_send)
                 await actor.on_start(ctx)
-                task_status.started(ctx)
+                self.bound.set()
+                if type(actor).until_ready is Actor.until_ready:
+                    task_status.started(ctx)
+                else:  # messages are dispatched while it gets ready
+                    nursery.start_soon(_report_ready, actor, ctx, task_status)
                 await self._dispatch_until_stopped(actor, ctx, handoff_receive)
                 await actor.on_stop()
                 nursery.cancel_scope.cancel()
@@ -336,6 +347,11 @@ class ActorChild:
                 await ctx._answer(msg, Reply(msg.id, error=repr(exc)))
             raise
         await ctx._answer(msg, Reply(msg.id, result))
+
+
+async def _report_ready(actor: Actor, ctx: Context, task_status: trio.TaskStatus[Context]) -> None:
+    await actor.until_ready()
+    task_status.started(ctx)
 
 
 async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChannel[Any]) -> None:

@@ -7,6 +7,11 @@ other:
 
 - readiness crosses the boundary: ``run`` reports ready only once the
   subtree in the child process has reported ready (its endpoints are bound);
+  a child that binds first and then gets ready (an actor loading a model:
+  ``Actor.until_ready``) says ``bound`` first, so the parent bounds the two
+  apart: ``ready_timeout`` until it is bound (an import or a bind that hangs
+  is caught soon), ``load_timeout`` from then until it is ready (a large
+  load is not mistaken for a hang; the child answers its mailbox meanwhile);
 - a child that fails before it is ready says why: the error's type and text
   come up the ready pipe, and the parent raises a ``ChildStartError`` whose
   ``__cause__`` is a ``ProcessStartFailed`` carrying them (the traceback is
@@ -114,13 +119,14 @@ class ProcessChild:
 
     def __init__(self, target: str, args: dict[str, Any] | None = None, *,
                  name: str | None = None, kill_after: float = 5.0,
-                 ready_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 ready_timeout: float = 120.0, load_timeout: float = 1800.0, env: dict[str, str] | None = None,
                  pass_fds: tuple[int, ...] = (), hub: HubOptions | None = None) -> None:
         self.target = target
         self.args = args or {}
         self.name = name or target
         self.kill_after = kill_after
         self.ready_timeout = ready_timeout
+        self.load_timeout = load_timeout  # from ``bound`` to ``ready`` (a child that says it is bound)
         self.env = env
         self.pass_fds = pass_fds  # inherited by the child under the same numbers (e.g. a listening socket)
         self.hub = hub  # the options of the child's hub (None: the defaults)
@@ -163,16 +169,19 @@ class ProcessChild:
             assert process.stdin is not None
             async with trio.lowlevel.FdStream(ready_read) as ready:  # closes ready_read however this ends
                 await process.stdin.send_all(msgspec.json.encode(spec) + b"\n")
-                line = b""
-                with trio.move_on_after(self.ready_timeout) as waited:
-                    while not line.endswith(b"\n") and (part := await ready.receive_some()):
-                        line += part
-                if waited.cancelled_caught or not line.startswith(b"ready"):
+                pipe = _LineReader(ready)
+                line, waited = await pipe.line(self.ready_timeout), f"within {self.ready_timeout:g} s"
+                if line == b"bound\n":
+                    log.info("process %s (pid %d) is bound; waiting up to %g s for it to be ready",
+                             self.name, process.pid, self.load_timeout)
+                    line = await pipe.line(self.load_timeout)
+                    waited = f"within {self.load_timeout:g} s of binding its mailbox (it was still getting ready)"
+                if line is None or not line.startswith(b"ready"):
                     code = await _exit_status(process, 1.0)
-                    failure = _reported_failure(line)
+                    failure = _reported_failure(line or b"")
                     raise ChildStartError(
                         f"process {self.name!r} did not report ready"
-                        + (f" within {self.ready_timeout:g} s" if waited.cancelled_caught else
+                        + (f" {waited}" if line is None else
                            f": {failure.kind}: {failure}" if failure is not None else f" (exit status {code})")
                     ) from failure
             log.info("process %s (pid %d) is ready", self.name, process.pid)
@@ -183,6 +192,29 @@ class ProcessChild:
         finally:
             with trio.CancelScope(shield=True):
                 await _terminate(process, self.kill_after, self.name)
+
+
+class _LineReader:
+    """Lines of the ready pipe, each within its own deadline."""
+
+    MAX_LINE = 1 << 16  # bytes: a failure line is bounded by the child (its text, JSON-escaped)
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.buffer = b""
+
+    async def line(self, timeout: float) -> bytes | None:
+        """The next line (what came before the pipe closed, when it closed first: ``b""`` for
+        nothing); None when it did not come within ``timeout``."""
+        with trio.move_on_after(timeout):
+            while b"\n" not in self.buffer and len(self.buffer) < self.MAX_LINE:
+                part = await self.stream.receive_some()
+                if not part:
+                    break
+                self.buffer += part
+            line, newline, self.buffer = self.buffer.partition(b"\n")
+            return line + newline
+        return None
 
 
 def _reported_failure(line: bytes) -> ProcessStartFailed | None:
@@ -241,12 +273,20 @@ def _load(target: str) -> Any:
 
 
 class _ReadyPipe:
-    """The child's end of the ready pipe: one line, ``ready`` or ``failed <json>``, then closed."""
+    """The child's end of the ready pipe: ``bound`` (optional), then one last line, ``ready``
+    or ``failed <json>``, then closed."""
 
     MAX_MESSAGE = 2000  # characters of the error's text: a bounded line (the parent reads to its end)
 
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
+
+    def bound(self) -> None:
+        if self.fd is not None:
+            try:
+                os.write(self.fd, b"bound\n")
+            except OSError:  # (the parent gave up on us; the last line finds it so too)
+                pass
 
     def report(self, line: bytes) -> None:
         if self.fd is not None:
@@ -279,10 +319,17 @@ async def _child_main(spec: _Spec, ready: _ReadyPipe) -> None:
             finally:
                 done.set()
 
+        if isinstance(bound := getattr(child, "bound", None), trio.Event):
+            nursery.start_soon(_say_bound, bound, ready)
         await nursery.start(run_child)
         ready.ready()
         await done.wait()
         nursery.cancel_scope.cancel()
+
+
+async def _say_bound(bound: trio.Event, ready: _ReadyPipe) -> None:
+    await bound.wait()
+    ready.bound()
 
 
 async def _stop_when_asked(child: Any) -> None:

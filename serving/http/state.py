@@ -165,7 +165,13 @@ class ServerState:
     async def context_len(self) -> int:
         """The longest sequence the scheduler serves (asked once: a restart keeps the model)."""
         if self._context_len is None:
-            self._context_len = (await self.call(ServerInfoReq(), timeout=10.0)).max_context_len
+            with trio.move_on_after(self.topology.server.request_wait):  # (bounded as a request's wait is)
+                await self.runtime.status.scheduler_up()
+                await self.runtime.tokenizer_manager.replicas.wait_any_up()  # (a remote one: once it reloaded)
+            info = await self.call(ServerInfoReq(), timeout=10.0)
+            if info.loading:  # (none up: the first replica answered, bound but not loaded yet)
+                raise BadRequest("the scheduler is loading its model; try again", status=503)
+            self._context_len = info.max_context_len
         return self._context_len
 
     def quick_health(self) -> str | None:

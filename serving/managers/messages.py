@@ -270,6 +270,7 @@ class ServerInfo(msgspec.Struct):
     retracted: int
     aborted: int
     steps: int
+    loading: bool = False  # bound, its model not in yet (the figures above are empty until it is)
 
 
 class ServerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):

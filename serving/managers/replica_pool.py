@@ -51,6 +51,7 @@ class Replica:
     remote: bool = False  # started elsewhere: watched by asking (``ReplicaPool.watch_remote``)
     up: bool = True  # taking requests
     stalled: bool = False  # (remote) its outputs stalled: down until it restarts
+    loading: bool = False  # (remote) it answers that it is loading its model: down until it serves
     prompt_tokens: int = 0  # of the requests that finished there
     cached_tokens: int = 0  # ...of those, served from its prefix cache
 
@@ -179,10 +180,10 @@ class ReplicaPool:
         self.replicas[index].cached_tokens += cached_tokens
 
     def figures(self) -> list[dict[str, Any]]:
-        """Per replica: up, requests in flight and routed there, prompt tokens finished there and
+        """Per replica: up, loading (a remote one that answers that it loads its model), requests in flight and routed there, prompt tokens finished there and
         the share of them served from its prefix cache."""
         return [{
-            "replica": i, "up": r.up, "in_flight": self.router.load[i], "routed": self.router.routed[i],
+            "replica": i, "up": r.up, "loading": r.loading, "in_flight": self.router.load[i], "routed": self.router.routed[i],
             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
             "cache_hit_rate": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
         } for i, r in enumerate(self.replicas)]
@@ -248,10 +249,18 @@ class ReplicaPool:
                     if boots is not None and seen != boots:  # restarted between two looks: what it ran is lost
                         self.on_remote(index, False, f"replica {index} restarted")
                         replica.stalled = False
-                    if not replica.stalled:  # one that stalled: back once it restarted
+                    replica.loading = _loading(scheduler)
+                    if replica.loading:  # bound, its model not in: not up until it is
+                        self.on_remote(index, False, f"replica {index} is loading its model")
+                    elif not replica.stalled:  # one that stalled: back once it restarted
                         self.on_remote(index, True, "")
                     boots = seen
             await trio.sleep(REMOTE_PROBE_S)
+
+
+def _loading(answer: Any) -> bool:
+    """Whether a replica's info answer says that it is loading its model (one that does not say: no)."""
+    return bool(answer.get("loading") if isinstance(answer, dict) else getattr(answer, "loading", False))
 
 
 def _boot(answer: Any) -> Any:

@@ -169,9 +169,23 @@ class Scheduler(Actor):
         self._journal: StepJournal | None = None  # which requests the step running now holds (journal.py)
         self.steps = 0
         self.started_at = time.time()
+        self._loaded = trio.Event()  # the model is in (``_load``)
+        self._held: list[Any] = []  # what came to be scheduled while it loaded
 
     async def on_start(self, ctx: Context) -> None:
+        """Bound: load the model beside answering the mailbox (``until_ready``: the child is ready
+        once it is in). Meanwhile the scheduler says it is loading (``ServerInfo.loading``), and
+        what comes to be scheduled waits for the model, in order."""
         self.ctx = ctx
+        self.watchdog = StepWatchdog("scheduler step", self.config.step_timeout)
+        await ctx.nursery.start(self.watchdog.run)
+        ctx.nursery.start_soon(self._load)
+
+    async def until_ready(self) -> None:
+        await self._loaded.wait()
+
+    async def _load(self) -> None:
+        """The model, then the state around it; a failure here fails the start (the child says why)."""
         if self.runner is None:
             self.runner = await trio.to_thread.run_sync(build_runner, self.config)
         runner = self.runner
@@ -183,14 +197,43 @@ class Scheduler(Actor):
         )
         self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits,
                                 vocab_size=int(runner.config.vocab_size))
-        self.watchdog = StepWatchdog("scheduler step", self.config.step_timeout)
-        await ctx.nursery.start(self.watchdog.run)
-        if (path := journal_path(ctx.address)) is not None:
+        if (path := journal_path(self.ctx.address)) is not None:
             try:
                 self._journal = StepJournal(path)
             except OSError as exc:  # then every request in flight is blamed for a crash, as without one
                 log.warning("no step journal at %s: %s", path, exc)
-        ctx.nursery.start_soon(self._loop)
+        self.on_loaded()
+        self._loaded.set()
+        held, self._held = self._held, []
+        for msg in held:
+            await self.handle(msg)
+        self.ctx.nursery.start_soon(self._loop)
+
+    def on_loaded(self) -> None:
+        """Runs once the model and the state around it are in, before the first step (a subclass
+        that wraps the runner does it here: ``on_start`` returns before the model is loaded)."""
+
+    def _while_loading(self, msg: Any) -> Any:
+        """A message that came before the model was in: calls are answered (the scheduler is loading);
+        what is to be scheduled waits, in order (its count is bounded upstream: the front end admits a
+        bounded number of requests, and sends none to a scheduler not up)."""
+        match msg:
+            case ServerInfoReq():
+                return self.info()
+            case HealthProbe() | FlushCacheReq():
+                return True  # (alive; nothing cached)
+            case UpdateWeightsReq():
+                return WeightsResult(False, "the scheduler is loading its model; try again once it serves",
+                                     status=503)
+            case AbortWhere(rid, worker, _, spare_boot):  # not queued yet: dropped before they are, uncounted
+                self._held = [m for m in self._held if not (
+                    isinstance(m, GenerateReq) and (rid is None or m.rid.rpartition("#")[0] == rid or m.rid == rid)
+                    and (worker is None or m.worker == worker) and (spare_boot is None or m.boot != spare_boot))]
+                return 0
+            case StopStringHit():
+                return None  # (nothing runs here yet)
+        self._held.append(msg)
+        return None
 
     def _wait_for_grammars(self, msg: GenerateReq) -> None:
         """The first constrained request of this process: build the tokenizer tables of
@@ -219,7 +262,8 @@ class Scheduler(Actor):
 
     async def handle(self, msg: Any) -> Any:
         state = self.state
-        assert state is not None
+        if state is None:
+            return self._while_loading(msg)
         match msg:
             case GenerateReq():
                 if _constrained(msg) and not self._grammars_ready.is_set():
@@ -367,7 +411,15 @@ class Scheduler(Actor):
             self._wakeup.set()
 
     def info(self) -> ServerInfo:
-        state, kv = self.state, self.runner.kv
+        state = self.state
+        if state is None:  # loading: what the configuration says, no figures yet
+            return ServerInfo(
+                boot=self.boot, scheduler=msgspec.to_builtins(self.config), device=self.config.device,
+                deterministic_inference=False, invariance=None, max_context_len=0,
+                weights=Weights(self.weights), waiting=sum(isinstance(m, GenerateReq) for m in self._held),
+                running=0, requests_by_worker={}, kv_pages_total=0, kv_pages_free=0, kv_page_size=0,
+                cached_pages=0, retracted=0, aborted=0, steps=0, loading=True)
+        kv = self.runner.kv
         return ServerInfo(
             boot=self.boot, scheduler=msgspec.to_builtins(self.config), device=str(self.runner.device),
             deterministic_inference=self.runner.deterministic, invariance=self.runner.invariance(),

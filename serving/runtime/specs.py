@@ -65,7 +65,8 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
         scheduler = lambda: ProcessChild(  # noqa: E731
             sched.target or "serving.managers.scheduler:scheduler_child",
             {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
-            name="scheduler", kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout)
+            name="scheduler", kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout,
+            load_timeout=topology.watchdogs.load_timeout)
     else:
         scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
     if detok.process in ("child", "remote"):
@@ -73,7 +74,8 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
                 "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
         detokenizer = lambda: ProcessChild(  # noqa: E731
             detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
-            kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout)
+            kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout,
+            load_timeout=topology.watchdogs.load_timeout)
     else:
         detokenizer = lambda: ActorChild(  # noqa: E731
             lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)

@@ -117,9 +117,11 @@ class WatchdogSection(msgspec.Struct, forbid_unknown_fields=True):
     step_timeout: float = 120.0  # one model step
     output_timeout: float = 300.0  # no output while requests are in flight (soft watchdog)
     remote_timeout: float = 10.0  # a remote replica that answers nothing for this long is down
-    # a child process (scheduler, detokenizer) to report ready: it loads the model first, and its first
-    # start may convert a GGUF and build the CPU kernels; a large model or a slow node needs more
-    start_timeout: float = 900.0
+    # a child process (scheduler, detokenizer) to bind its mailbox: imports and binding, nothing long
+    start_timeout: float = 120.0
+    # a scheduler, from binding its mailbox to serving: it loads the model (its first start may convert
+    # a GGUF and build the CPU kernels), answering meanwhile that it is loading; a large model needs more
+    load_timeout: float = 1800.0
 
 
 class CurveSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -217,6 +219,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.server.max_loop_lag > 0, "server.max_loop_lag", "must be > 0"),
             (self.watchdogs.step_timeout > 0, "watchdogs.step_timeout", "must be > 0"),
             (self.watchdogs.start_timeout > 0, "watchdogs.start_timeout", "must be > 0"),
+            (self.watchdogs.load_timeout > 0, "watchdogs.load_timeout", "must be > 0"),
             (self.watchdogs.remote_timeout > 0, "watchdogs.remote_timeout", "must be > 0"),
         ]
         for ok, where, what in problems:

@@ -4,10 +4,10 @@ import signal
 
 import trio
 
-from actors import ActorChild, Supervisor
+from actors import Actor, ActorChild, Supervisor
 from actors.supervisor import ChildSpec
 
-from .messages import Echo
+from .messages import Echo, Ping, Pong
 
 
 def echo(hub, address: str, reply_to: str, name: str = "echo"):
@@ -45,3 +45,35 @@ class FailsToStart:
 
 def fails_to_start(hub):
     return FailsToStart()
+
+
+class Loader(Actor):
+    """Binds, then "loads" for ``load_s`` seconds (None: never done) before it is ready; meanwhile
+    it answers a ``Ping`` with a ``Pong`` (to ``reply_to``) that says what it is doing."""
+
+    inbox = Ping
+
+    def __init__(self, reply_to: str, load_s: float | None) -> None:
+        self.reply_to = reply_to
+        self.load_s = load_s
+        self.loaded = trio.Event()
+
+    async def on_start(self, ctx) -> None:
+        self.ctx = ctx
+        ctx.nursery.start_soon(self._load)
+
+    async def _load(self) -> None:
+        if self.load_s is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.load_s)  # (the work a model load would do)
+        self.loaded.set()
+
+    async def until_ready(self) -> None:
+        await self.loaded.wait()
+
+    async def handle(self, msg):
+        await self.ctx.send(self.reply_to, Pong(msg.n, "ready" if self.loaded.is_set() else "loading"))
+
+
+def loader(hub, address: str, reply_to: str, load_s: float | None = None):
+    return ActorChild(lambda: Loader(reply_to, load_s), address, hub)

@@ -108,6 +108,45 @@ async def test_a_process_that_fails_to_start_is_a_start_error_that_says_why():
     assert isinstance(cause, ProcessStartFailed) and str(cause) == "no model here" and cause.kind == "RuntimeError"
 
 
+async def test_a_process_that_binds_then_loads_answers_meanwhile_and_has_its_own_load_bound(ipc):
+    """Readiness in two parts: ``ready_timeout`` bounds the time until the child is bound (an import
+    or a bind that hangs), ``load_timeout`` the time from then until it is ready, so a long load is
+    not taken for a hang; the child answers its mailbox while it loads."""
+    ready_timeout = 4.0
+    spec = ChildSpec("slow", lambda: ProcessChild(
+        "tests.actors.processes:loader", {"address": ipc("slow"), "reply_to": ipc("out"), "load_s": ready_timeout + 1.0},
+        name="slow",
+        ready_timeout=ready_timeout, load_timeout=60.0))
+    async with open_harness() as h, trio.open_nursery() as nursery:
+        out = await h.probe(ipc("out"), Pong)
+        started = trio.Event()
+        t0 = trio.current_time()
+
+        async def start() -> None:
+            await h.start_supervisor("sup", [spec])
+            started.set()
+
+        nursery.start_soon(start)
+        # bound long before it is ready, it answers (a message sent before it binds waits for it)
+        await h.send(ipc("slow"), Ping(1))
+        assert (await out.expect(Pong, timeout=ready_timeout)).by == "loading"
+        assert not started.is_set()
+        with trio.fail_after(30.0):
+            await started.wait()
+        assert trio.current_time() - t0 > ready_timeout  # (ready after the first bound had passed)
+        await h.send(ipc("slow"), Ping(2))
+        assert await out.expect(Pong, timeout=5.0) == Pong(2, "ready")
+        assert h.count("started", "slow") == 1
+
+    never = ChildSpec("never", lambda: ProcessChild(
+        "tests.actors.processes:loader", {"address": ipc("never"), "reply_to": ipc("out")}, name="never",
+        ready_timeout=30.0, load_timeout=0.5))
+    async with open_harness() as h:
+        with pytest.raises(ChildStartError, match="within 0.5 s of binding its mailbox"):
+            with trio.fail_after(30.0):
+                await h.start_supervisor("sup", [never])
+
+
 async def test_shutdown_escalates_ask_sigterm_sigkill(ipc):
     async with open_harness() as h:
         spec = ChildSpec(

@@ -20,8 +20,7 @@ class HangingScheduler(Scheduler):
         self.hang_after = steps
         self.marker = marker
 
-    async def on_start(self, ctx):
-        await super().on_start(ctx)
+    def on_loaded(self):
         runner, real_step, count = self.runner, self.runner.step, [0]
 
         def step(seqs):
@@ -49,8 +48,7 @@ class PoisonedScheduler(Scheduler):
     request whose prompt starts with ``POISON`` is in the step, or one that starts
     with ``LATE_POISON`` and has generated ``LATE`` tokens."""
 
-    async def on_start(self, ctx):
-        await super().on_start(ctx)
+    def on_loaded(self):
         real_step = self.runner.step
 
         def poisoned(s):

@@ -202,3 +202,64 @@ def test_the_runner_refuses_to_sample_nan_logits():
     with pytest.raises(NonFiniteLogits) as raised:
         runner.step([SeqInput([5], pages[0]), SeqInput([6], pages[1])])
     assert raised.value.rows == [1]
+
+
+async def test_a_scheduler_answers_while_it_loads_and_serves_what_came_meanwhile_once_loaded(monkeypatch):
+    """Issue 29 N12: the scheduler is bound before its model is in: it answers that it loads (its child
+    reports ready only once loaded), and what comes to be scheduled meanwhile waits, in order."""
+    import threading
+
+    import numpy as np
+    import trio
+
+    from actors import ActorChild
+    from actors.testing import open_harness
+    from serving.managers import scheduler as scheduler_module
+    from serving.managers.messages import (
+        AbortReq, AbortWhere, BatchTokenIDOut, GenerateReq, HealthProbe, SamplingParams, ServerInfo, ServerInfoReq,
+        UpdateWeightsReq, WeightsResult)
+
+    release = threading.Event()
+    real_build = scheduler_module.build_runner
+
+    def slow_build(config):
+        release.wait(60.0)  # (the load: as long as the test holds it)
+        return real_build(config)
+
+    monkeypatch.setattr(scheduler_module, "build_runner", slow_build)
+    config = SchedulerConfig(model="tiny", detokenizer="inproc://detok", device="cpu")
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    async with open_harness() as h, trio.open_nursery() as nursery:
+        out = await h.probe("inproc://detok", BatchTokenIDOut)
+        child = ActorChild(lambda: Scheduler(config), "inproc://sched", h.hub)
+        ready = trio.Event()
+
+        async def run() -> None:
+            await nursery.start(child.run)
+            ready.set()
+
+        nursery.start_soon(run)
+        with trio.fail_after(30):
+            await child.bound.wait()
+        info = await h.call("inproc://sched", ServerInfoReq(), timeout=5.0)
+        assert isinstance(info, ServerInfo) and info.loading and info.max_context_len == 0
+        assert await h.call("inproc://sched", HealthProbe(), timeout=5.0) is True
+        update = await h.call("inproc://sched", UpdateWeightsReq("tiny"), timeout=5.0)
+        assert isinstance(update, WeightsResult) and not update.success and update.status == 503
+        for rid in ("a#0.0", "b#0.0", "c#0.0"):
+            await h.send("inproc://sched", GenerateReq(rid, np.asarray([5, 6, 7], dtype=np.int32), greedy))
+        await h.send("inproc://sched", AbortReq("b#0.0", "the client left"))
+        assert await h.call("inproc://sched", AbortWhere(rid="c", worker=None, message="moved"), timeout=5.0) == 0
+        assert (await h.call("inproc://sched", ServerInfoReq(), timeout=5.0)).waiting == 2  # a and b (c dropped)
+        assert not ready.is_set()
+        release.set()
+        with trio.fail_after(60):
+            await ready.wait()
+            ended: dict[str, object] = {}
+            while "a#0.0" not in ended or "b#0.0" not in ended:
+                batch = await out.expect(BatchTokenIDOut, timeout=30.0)
+                ended.update((rid, f) for rid, f in zip(batch.rids, batch.finished) if f is not None)
+        assert ended["a#0.0"].type == "length" and ended["b#0.0"].type == "abort" and "c#0.0" not in ended
+        info = await h.call("inproc://sched", ServerInfoReq(), timeout=5.0)
+        assert not info.loading and info.max_context_len > 0
+        nursery.cancel_scope.cancel()

@@ -143,23 +143,27 @@ def test_sizes():
     assert parse_size(1024, "x") == 1024
 
 
-def test_child_processes_get_the_configured_start_timeout_and_the_scheduler_the_weight_roots(tmp_path):
-    """Issue 29 N12: loading a large model (or converting a GGUF) may take longer than 120 s: the time a
-    child has to report ready is watchdogs.start_timeout (900 s by default). N13a: the scheduler gets
-    the weight roots, resolved, to check an update itself."""
+def test_child_processes_get_the_configured_start_and_load_timeouts_and_the_scheduler_the_weight_roots(tmp_path):
+    """Issue 29 N12: a child has watchdogs.start_timeout (120 s) to bind its mailbox, and the scheduler
+    watchdogs.load_timeout (1800 s) from then to load the model (a large model or a GGUF's first
+    conversion). N13a: the scheduler gets the weight roots, resolved, to check an update itself."""
     from types import SimpleNamespace
 
     from serving.runtime.specs import core_specs
 
     topology = load_topology("default", {"model.path": "tiny", "watchdogs.start_timeout": 1234.0,
+                                         "watchdogs.load_timeout": 4321.0,
                                          "server.weights_roots": [str(tmp_path / "w" / "..")]})
-    assert load_topology("default").watchdogs.start_timeout == 900.0
+    default = load_topology("default").watchdogs
+    assert (default.start_timeout, default.load_timeout) == (120.0, 1800.0)
     addresses = topology.addresses(tmp_path)
     specs = core_specs(topology, addresses, [addresses["tokenizer"]], SimpleNamespace(options=None), None,
                        lambda: "tiny")
     children = {spec.name: spec.start() for spec in specs}
-    assert {name: child.ready_timeout for name, child in children.items()} == \
-        {"scheduler": 1234.0, "detokenizer": 1234.0}
+    assert {name: (child.ready_timeout, child.load_timeout) for name, child in children.items()} == \
+        {"scheduler": (1234.0, 4321.0), "detokenizer": (1234.0, 4321.0)}
     assert children["scheduler"].args["config"]["weights_roots"] == [str(tmp_path.resolve())]
     with pytest.raises(TopologyError, match="watchdogs.start_timeout"):
         load_topology("default", {"watchdogs.start_timeout": 0})
+    with pytest.raises(TopologyError, match="watchdogs.load_timeout"):
+        load_topology("default", {"watchdogs.load_timeout": -1})
