@@ -56,6 +56,11 @@ OVERRIDES = {
     "page_size": "scheduler.page_size",
     "schedule_policy": "scheduler.schedule_policy",
     "enable_deterministic_inference": "scheduler.enable_deterministic_inference",
+    "speculative": "scheduler.speculative",
+    "speculative_num_draft": "scheduler.speculative_num_draft",
+    "speculative_max_ngram": "scheduler.speculative_max_ngram",
+    "speculative_min_ngram": "scheduler.speculative_min_ngram",
+    "speculative_max_batch": "scheduler.speculative_max_batch",
     "tool_call_parser": "server.tool_call_parser",
     "reasoning_parser": "server.reasoning_parser",
     "dp_size": "scheduler.replicas",
@@ -115,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--disable-deterministic-inference", dest="enable_deterministic_inference",
                          action="store_false", default=argparse.SUPPRESS,
                          help="the kernels that may round a row differently with the batch (1-4 %% faster)")
+    serve_p.add_argument("--speculative", choices=["none", "ngram"],
+                         help="ngram: speculative decoding by prompt lookup, the text unchanged (docs/speculative.md)")
+    serve_p.add_argument("--speculative-num-draft", type=int, help="draft tokens a request verifies per step (1..16)")
+    serve_p.add_argument("--speculative-max-ngram", type=int, help="the longest suffix looked up (default 3)")
+    serve_p.add_argument("--speculative-min-ngram", type=int, help="the shortest suffix looked up (default 2)")
+    serve_p.add_argument("--speculative-max-batch", type=int, help="no drafts while more requests run (default 8)")
     serve_p.add_argument("--log-level", default="info")
     replica_p = sub.add_parser("replica", help="run one replica of a topology whose replicas are remote "
                                "(a Kubernetes pod, a host of its own): its scheduler and detokenizer")

@@ -94,6 +94,14 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     # CPU kernels build (they cost 1-4 %): a request's greedy output is the same whatever else runs,
     # and a resumed stream continues with exactly its text; off on CUDA (not measured there)
     enable_deterministic_inference: bool = True
+    # speculative decoding without a draft model (docs/speculative.md): "ngram" drafts a running request's
+    # next tokens from its own prompt and output and verifies them in its decode step, the text unchanged
+    # (it needs deterministic inference; off without it); "none": one token a step
+    speculative: Literal["none", "ngram"] = "none"
+    speculative_num_draft: int = 4  # draft tokens a request verifies per step, at most
+    speculative_max_ngram: int = 3  # the longest suffix of a request looked up in its tokens
+    speculative_min_ngram: int = 2  # the shortest
+    speculative_max_batch: int = 8  # no drafts while more requests than this run (a large batch is compute-bound)
     # torch threads per scheduler; default: torch's (one per core), divided among the replicas run on
     # this host (two schedulers spinning two threads each on two cores run several times slower)
     threads: int | None = None
@@ -195,6 +203,11 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (self.scheduler.max_running_requests >= 1, "scheduler.max_running_requests", "must be >= 1"),
             (self.scheduler.chunked_prefill_size >= 1, "scheduler.chunked_prefill_size", "must be >= 1"),
             (1 <= self.scheduler.stream_interval <= 1024, "scheduler.stream_interval", "must be in 1..1024"),
+            (1 <= self.scheduler.speculative_num_draft <= 16, "scheduler.speculative_num_draft", "must be in 1..16"),
+            (1 <= self.scheduler.speculative_max_ngram <= 8, "scheduler.speculative_max_ngram", "must be in 1..8"),
+            (1 <= self.scheduler.speculative_min_ngram <= self.scheduler.speculative_max_ngram,
+             "scheduler.speculative_min_ngram", "must be in 1..scheduler.speculative_max_ngram"),
+            (self.scheduler.speculative_max_batch >= 1, "scheduler.speculative_max_batch", "must be >= 1"),
             (1 <= self.scheduler.replicas <= 64, "scheduler.replicas", "must be in 1..64"),
             (self.scheduler.threads is None or 1 <= self.scheduler.threads <= 1024, "scheduler.threads",
              "must be in 1..1024 (or null: by the cores)"),

@@ -77,6 +77,35 @@ def test_a_bad_config_is_refused_naming_the_field(field, value, named):
         SpeculativeConfig(**{"method": "ngram", field: value})
 
 
+@pytest.mark.parametrize("text, named", [
+    ("speculative: eagle", "scheduler.speculative: Invalid enum value 'eagle'"),
+    ("speculative_num_draft: 0", "scheduler.speculative_num_draft: must be in 1..16"),
+    ("speculative_num_draft: 17", "scheduler.speculative_num_draft: must be in 1..16"),
+    ("speculative_max_ngram: 9", "scheduler.speculative_max_ngram: must be in 1..8"),
+    ("speculative_min_ngram: 4", "scheduler.speculative_min_ngram: must be in 1..scheduler.speculative_max_ngram"),
+    ("speculative_max_batch: 0", "scheduler.speculative_max_batch: must be >= 1"),
+])
+def test_a_bad_topology_value_is_refused_naming_the_field(tmp_path, text, named):
+    from serving.runtime.topology import TopologyError, load_topology
+
+    path = tmp_path / "t.yaml"
+    path.write_text(f"scheduler:\n  {text}\n")
+    with pytest.raises(TopologyError, match=named):
+        load_topology(path)
+
+
+def test_the_flags_reach_the_topology():
+    from serving.cli import parser, topology_from
+
+    args = parser().parse_args(["serve", "--speculative", "ngram", "--speculative-num-draft", "6",
+                                "--speculative-max-ngram", "4", "--speculative-min-ngram", "1",
+                                "--speculative-max-batch", "2"])
+    s = topology_from(args).scheduler
+    assert (s.speculative, s.speculative_num_draft, s.speculative_max_ngram, s.speculative_min_ngram,
+            s.speculative_max_batch) == ("ngram", 6, 4, 1, 2)
+    assert topology_from(parser().parse_args(["serve"])).scheduler.speculative == "none"
+
+
 # -- through the scheduler's state, with the tiny model ------------------------------------------
 
 class Oracle:
