@@ -267,12 +267,10 @@ def _thinking_first(convert: Callable[[Any], GenerateInput], parser: str, req: A
 
 
 def _convert(fn: Callable[[Any], GenerateInput], req: Any) -> GenerateInput:
+    """The request as the tokenizer manager takes it (which checks the sampling values, once: its
+    errors name OpenAI's fields through ``OPENAI_NAMES``)."""
     try:
-        obj = fn(req)
-        for params in [obj.sampling_params] if isinstance(obj.sampling_params, SamplingParams) else []:
-            if (problem := params.check()) is not None:
-                raise InvalidRequest(problem)
-        return obj
+        return fn(req)
     except InvalidRequest as exc:
         raise BadRequest(str(exc), param_of(str(exc))) from None
 
