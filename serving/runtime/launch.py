@@ -154,7 +154,7 @@ class LocalRuntime(Supervised):
             topology, runtime_dir,
             lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
                                             placements[i]),
-            self._on_event, lambda i: partial(self._convicts, i))
+            lambda i: partial(self._convicts, i))
         self.status = ReplicaStatus(self.replicas, self._replica_changed)
         bind = topology.actors.tokenizer.bind
         front = [ChildSpec("tokenizer", lambda: ActorChild(
@@ -164,7 +164,7 @@ class LocalRuntime(Supervised):
             from .ray_launcher import ray_specs  # (Ray is imported only when it launches)
 
             front = [*ray_specs(topology, self._ray_started, self._ray_lost), *front]
-        self.supervisor = self.replicas.server(front)
+        self.supervisor = self.replicas.server(front, self._on_event)  # (its events need self.status: made above)
 
     def _convicts(self, replica: int, child: str, reason: BaseException | None) -> bool:
         """Whether a crash of ``child`` (of ``replica``) is one more by a request already blamed for an

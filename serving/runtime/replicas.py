@@ -49,19 +49,19 @@ class NoReplicaLeft(Exception):
 
 class ReplicaSet:
     """The replicas of ``topology``: each one's addresses, and the supervisor its parts run under.
-    ``make_specs(i, addresses)``: replica ``i``'s child specs; ``observer``: every supervisor's events;
-    ``forgive(i)``: replica ``i``'s supervisor's ``forgive`` (see ``actors.Supervisor``)."""
+    ``make_specs(i, addresses)``: replica ``i``'s child specs; ``forgive(i)``: replica ``i``'s
+    supervisor's ``forgive`` (see ``actors.Supervisor``). Nothing runs until ``server`` builds
+    the server's supervisor (with the observer of every supervisor's events)."""
 
     def __init__(self, topology: Topology, runtime_dir: Path,
                  make_specs: Callable[[int, dict[str, str]], list[ChildSpec]],
-                 observer: Callable[[SupervisorEvent], None],
                  forgive: Callable[[int], Callable[[str, BaseException | None], bool]]) -> None:
         self.topology = topology
         self.addresses = topology.replica_addresses(runtime_dir)
         self.remote = {i for i, r in enumerate(topology.replica_placements()) if r.scheduler.process == "remote"}
         self.supervisors: list[Supervisor | None] = [None] * len(self.addresses)
         self._make_specs = make_specs
-        self._observer = observer
+        self._observer: Callable[[SupervisorEvent], None] = _unobserved
         self._forgive = forgive
         # one replica started here: its parts are the server's own children, as without replicas
         self.flat = len(self.addresses) == 1 and not self.remote
@@ -74,8 +74,10 @@ class ReplicaSet:
     def __len__(self) -> int:
         return len(self.addresses)
 
-    def server(self, specs: list[ChildSpec]) -> Supervisor:
-        """The server's supervisor: the replicas started here, then ``specs`` (the front end's children)."""
+    def server(self, specs: list[ChildSpec], observer: Callable[[SupervisorEvent], None]) -> Supervisor:
+        """The server's supervisor: the replicas started here, then ``specs`` (the front end's children);
+        ``observer`` hears every supervisor's events (the server's and each replica's)."""
+        self._observer = observer
         if not self.flat:
             return make_supervisor(self.topology, [*self.specs, *specs], self._observer, "server")
         supervisor = make_supervisor(self.topology, [*self._make_specs(0, self.addresses[0]), *specs],
@@ -105,6 +107,10 @@ class ReplicaSet:
     def running(self, index: int) -> list[str]:
         supervisor = self.supervisors[index]
         return [] if supervisor is None else supervisor.running()
+
+
+def _unobserved(event: SupervisorEvent) -> None:
+    raise AssertionError("a replica's supervisor started before ReplicaSet.server")
 
 
 def replica_of(supervisor_or_child: str) -> int | None:
