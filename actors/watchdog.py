@@ -6,8 +6,9 @@ WatchdogTimeout in that nursery, which crashes the actor: its supervisor
 restarts it per policy. A watchdog never kills the whole program.
 
 - SoftWatchdog: ``feed()`` on every message; fires when it has not been fed
-  for ``timeout`` seconds while work is in flight. Wrap idle waits in
-  ``disable()`` (SGLang's TokenizerManager ``handle_loop`` does the same).
+  for ``timeout`` seconds while work is in flight (``busy()`` says whether it
+  is: an idle actor is never blamed for silence). ``disable()`` covers a wait
+  that is long by design, for an actor that cannot say ``busy``.
 - StepWatchdog: ``with watchdog.step():`` around one step of work; fires when
   a step outlives ``timeout``.
 """
