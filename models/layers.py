@@ -21,6 +21,7 @@ from . import cpu_kernels, families, invariant, probes
 from .attention import AttentionPlan, attend
 from .errors import ModelLoadError
 from .projections import Linear
+from .rotary import RotaryTable
 from .split_attention import tanh_cap
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,8 @@ class CausalLM:
         # the rotary tables the layers name: inverse frequencies and cos/sin scale
         self.ropes = {key: _rope_parameters(config, key) for key in {layer.rope for layer in self.layers} - {None}}
         self.ropes = {key: (inv_freq.to(self.device), scale) for key, (inv_freq, scale) in self.ropes.items()}
+        self.rotary = {key: RotaryTable(inv_freq, scale, dtype, self.device)
+                       for key, (inv_freq, scale) in self.ropes.items()}
         self.final_norm = _Norm(w.get("model.norm.weight"), family.norm, self.eps)
         self.norm = self.final_norm.weight
         self.logit_softcap = family.logit_softcap(config) if family.logit_softcap else None
@@ -298,11 +301,8 @@ class CausalLM:
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:  # in the model dtype, as transformers
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        ropes = {}
-        for key, (inv_freq, rope_scale) in self.ropes.items():
-            freqs = positions[:, None].float() * inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-            ropes[key] = ((emb.cos() * rope_scale).to(self.dtype), (emb.sin() * rope_scale).to(self.dtype))
+        # rows of tables computed once per position, never by torch's threaded cos/sin (rotary.py)
+        ropes = {key: table.at(positions) for key, table in self.rotary.items()}
         if self.windowed and not plan.windows:
             self._log_fallback(plan)
         if self.fused and not self.upcast and self.llama_layers:
