@@ -8,12 +8,11 @@ transformers computes), its cos and sin come from the C library in double precis
 by the rotary scale in fp32 and cast to the model dtype. So a row's table, and through rope its
 q and its stored k, never depend on the step it runs in.
 
-Not torch's `cos` / `sin`: on CPU they run through MKL's VML in chunks of 2,048 elements per
-thread, and the first such threaded call in a process can give one thread's chunk other bits
-(seen here: ~5e-5 relative, in about one process in five). A step of 33 rows or more with
-64-dim heads is such a call; the first one of a restarted scheduler re-prefills the resumed
-streams, so their K/V, rounded to bf16, could differ from the ones the crashed process had
-computed -- and the resumed text with them (docs/deterministic.md).
+Not torch's `cos` / `sin` per step: on CPU they run through MKL's VML in chunks of 2,048 elements
+per thread, and the first such threaded call in a process can give a chunk other bits. A step of
+33 rows or more with 64-dim heads is such a call; a restarted scheduler's first one re-prefills
+the resumed streams, whose K/V, rounded to bf16, then differed from the ones the crashed process
+had computed -- and the resumed text with them (docs/deterministic.md, what was measured).
 """
 
 from __future__ import annotations

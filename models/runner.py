@@ -22,6 +22,8 @@ reproducible, also across a crash-resume. Where tercet's C++ kernels build
   order), or oneDNN's prepacked weights where this machine shows them
   invariant from two rows on (one-row products padded to two,
   `probes.onednn_invariant`), else fixed tiles of rows (`invariant.py`);
+- rotary cos / sin as rows of per-position tables (`rotary.py`), never torch's threaded `cos` / `sin`
+  (MKL's VML: a process's first threaded call can round a chunk apart, and a restarted scheduler is one);
 - the elementwise steps, norms and sampler are per row already.
 
 Without the kernels it falls back to the torch path's split-KV attention
