@@ -271,6 +271,8 @@ class ServerInfo(msgspec.Struct):
     aborted: int
     steps: int
     loading: bool = False  # bound, its model not in yet (the figures above are empty until it is)
+    speculative_draft_tokens: int = 0  # draft tokens verified (speculative decoding), and accepted
+    speculative_accepted_tokens: int = 0
 
 
 class ServerInfoReq(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -51,6 +51,7 @@ from .messages import (
     wire_field,
 )
 from .radix_cache import RadixCache
+from .speculative import SpeculativeConfig
 
 __all__ = ["Scheduler", "SchedulerConfig", "scheduler_child"]
 
@@ -70,6 +71,11 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     stream_interval: int = 1
     enable_prefix_cache: bool = True
     deterministic: bool = True  # batch-invariant kernels: the same logits whatever else runs (CPU)
+    speculative: str = "none"  # "ngram": speculative decoding by prompt lookup (speculative.py)
+    speculative_num_draft: int = 4
+    speculative_max_ngram: int = 3
+    speculative_min_ngram: int = 2
+    speculative_max_batch: int = 8
     step_timeout: float = 120.0
     threads: int | None = None  # torch's intra-op threads in this scheduler; None: torch's default
     detokenizer: str = "inproc://detokenizer"
@@ -98,6 +104,21 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
              config.dtype, runner.device, torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm,
              _described(runner.invariance()) if runner.deterministic else "off")
     return runner
+
+
+def speculative_config(config: SchedulerConfig, deterministic: bool) -> SpeculativeConfig:
+    """What ``config`` asks for; no drafts without deterministic inference (a draft verified where a row's
+    logits depend on the rows beside it could change the text)."""
+    c = config
+    spec = SpeculativeConfig(c.speculative, c.speculative_num_draft, c.speculative_max_ngram, c.speculative_min_ngram,
+                             c.speculative_max_batch)
+    if spec.enabled and not deterministic:
+        log.warning("speculative decoding needs deterministic inference to keep the text: off")
+        return SpeculativeConfig()
+    if spec.enabled:
+        log.info("speculative decoding: %s drafts of up to %d tokens (%d..%d-grams), while at most %d requests run",
+                 spec.method, spec.num_draft, spec.min_ngram, spec.max_ngram, spec.max_batch)
+    return spec
 
 
 def _described(invariance: dict[str, Any]) -> str:
@@ -196,7 +217,8 @@ class Scheduler(Actor):
             self.config.stream_interval,
         )
         self.state = BatchState(runner.kv, cache, runner.eos_token_ids, limits,
-                                vocab_size=int(runner.config.vocab_size))
+                                vocab_size=int(runner.config.vocab_size), speculative=speculative_config(
+                                    self.config, runner.deterministic))
         if (path := journal_path(self.ctx.address)) is not None:
             try:
                 self._journal = StepJournal(path)
@@ -428,6 +450,7 @@ class Scheduler(Actor):
             kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free, kv_page_size=kv.page_size,
             cached_pages=state.cache.cached_pages if state.cache is not None else 0,
             retracted=state.retracted, aborted=state.aborted, steps=self.steps,
+            speculative_draft_tokens=state.draft_tokens, speculative_accepted_tokens=state.accepted_tokens,
         )
 
     # -- the loop -----------------------------------------------------------------------
@@ -480,6 +503,9 @@ class Scheduler(Actor):
             for j, i in enumerate(part):
                 out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = \
                     got.token_ids[j], got.logprobs[j], got.top_logprobs[j]
+                if got.drafts and got.drafts[j] is not None:  # the draws after a draft (speculative.py)
+                    out.drafts = out.drafts or [None] * n
+                    out.drafts[i] = got.drafts[j]
         return out
 
     async def _call(self, batch: Batch) -> StepOutput:

@@ -37,7 +37,9 @@ def scheduler_config(topology: Topology, detokenizer: str) -> SchedulerConfig:
         max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
         chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,
         stream_interval=s.stream_interval, enable_prefix_cache=s.enable_prefix_cache,
-        deterministic=s.enable_deterministic_inference,
+        deterministic=s.enable_deterministic_inference, speculative=s.speculative,
+        speculative_num_draft=s.speculative_num_draft, speculative_max_ngram=s.speculative_max_ngram,
+        speculative_min_ngram=s.speculative_min_ngram, speculative_max_batch=s.speculative_max_batch,
         step_timeout=topology.watchdogs.step_timeout, threads=scheduler_threads(topology),
         detokenizer=detokenizer, tokenizer=tokenizer_source(model), weights_roots=topology.weights_roots(),
     )

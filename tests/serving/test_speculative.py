@@ -2,6 +2,7 @@
 request's tokens, logprobs, finish reason and streamed pieces with drafts verified are exactly those
 of plain decoding, its KV pages all come back and the prefix cache holds only accepted tokens."""
 
+import json
 import random
 
 import numpy as np
@@ -96,6 +97,8 @@ def test_a_bad_topology_value_is_refused_naming_the_field(tmp_path, text, named)
 
 def test_the_flags_reach_the_topology():
     from serving.cli import parser, topology_from
+    from serving.managers.scheduler import speculative_config
+    from serving.runtime.specs import scheduler_config
 
     args = parser().parse_args(["serve", "--speculative", "ngram", "--speculative-num-draft", "6",
                                 "--speculative-max-ngram", "4", "--speculative-min-ngram", "1",
@@ -104,6 +107,10 @@ def test_the_flags_reach_the_topology():
     assert (s.speculative, s.speculative_num_draft, s.speculative_max_ngram, s.speculative_min_ngram,
             s.speculative_max_batch) == ("ngram", 6, 4, 1, 2)
     assert topology_from(parser().parse_args(["serve"])).scheduler.speculative == "none"
+    config = scheduler_config(topology_from(args), "inproc://d")
+    assert speculative_config(config, deterministic=True) == SpeculativeConfig("ngram", 6, 4, 1, 2)
+    # without deterministic inference a verified draft could change the text: none
+    assert speculative_config(config, deterministic=False) == SpeculativeConfig()
 
 
 # -- through the scheduler's state, with the tiny model ------------------------------------------
@@ -333,6 +340,27 @@ def test_nan_logits_past_a_draft_token_reject_the_draft_there_and_before_it_end_
     runner.kv.free(pages)
 
 
+async def test_a_step_split_for_a_request_on_probation_keeps_the_others_draws():
+    """Scheduler._run with a request on probation: two model calls, and the draws after the drafts of the
+    other call reach postprocess (a lost one would only count as a rejected draft, but a wasted one)."""
+    from types import SimpleNamespace
+
+    from models.runner import Draws, StepOutput
+    from serving.managers.batching import Batch
+    from serving.managers.scheduler import Scheduler, SchedulerConfig
+
+    class Runner:
+        def step(self, seqs):
+            return StepOutput([s.n for s in seqs], [0.0] * len(seqs), [[]] * len(seqs),
+                              [Draws([10 * s.n], [0.0], [[]]) if s.draft else None for s in seqs])
+
+    s = Scheduler(SchedulerConfig(model="tiny"), runner=Runner())
+    s.state = SimpleNamespace(constrained=lambda batch: [])
+    reqs = [SimpleNamespace(rid=f"r{i}", alone=i == 1, matcher=None) for i in range(3)]
+    out = await s._run(Batch(reqs, [SimpleNamespace(n=i, draft=i == 2) for i in range(3)]))
+    assert out.token_ids == [0, 1, 2] and out.drafts[2].token_ids == [20] and out.drafts[0] is None
+
+
 # -- SmolLM2, the embedded model ------------------------------------------------------------------
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
@@ -376,3 +404,41 @@ def test_smollm2_with_drafts_gives_plain_decoding_bitwise(smollm2, dtype):
     assert without_pieces(got) == without_pieces(plain)
     assert state.accepted_tokens > 32  # the passage repeats: most drafts hold
     assert max(got["repeat"]["pieces"]) > 1
+
+
+# -- through real HTTP ----------------------------------------------------------------------------
+
+async def test_through_http_the_text_is_plain_decoding(nursery, tiny_loaded, tokenizer):
+    """A server with --speculative ngram: /generate streams and /v1/completions answer exactly the
+    runner's own plain greedy tokens and logprobs, and /server_info counts the drafts verified."""
+    import httpx
+
+    from models.runner import generate
+
+    from .test_http import start_server
+
+    url, _ = await start_server(nursery, "single-process", **{"scheduler.speculative": "ngram",
+                                                               "scheduler.speculative_min_ngram": 1})
+    ids = [p * 4 for p in prompts(3, seed=12, lengths=(2, 4))]  # repeating prompts: drafts to verify
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        info = (await client.get("/server_info")).json()
+        runner = ModelRunner(tiny_loaded, dtype=getattr(torch, info["scheduler"]["dtype"])
+                             if info["scheduler"]["dtype"] != "auto" else None)
+        greedy = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+        for p in ids:
+            expected = generate(runner, [p], 24)[0]
+            r = await client.post("/generate", json={"input_ids": p, "sampling_params": greedy,
+                                                     "return_logprob": True, "stream": True})
+            events = [json.loads(line[5:]) for line in r.text.splitlines()
+                      if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+            assert events[-1]["output_ids"] == expected
+            assert events[-1]["meta_info"]["completion_tokens"] == 24
+            assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+            body = (await client.post("/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1})).json()
+            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            assert body["usage"]["completion_tokens"] == 24
+        info = (await client.get("/server_info")).json()
+    assert info["scheduler"]["speculative"] == "ngram"
+    assert info["speculative_draft_tokens"] > 0
