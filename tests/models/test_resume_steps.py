@@ -20,13 +20,14 @@ from models.runner import ModelRunner, SeqInput
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 VML_CHUNK = 2048  # elements per thread of torch's VML-backed unary ops (ATen's IMPLEMENT_FLOAT_KERNEL)
+VML_OPS = ("cos", "sin", "exp", "tanh", "sqrt", "log")  # some of them (ATen's vml.h): the fused path takes none
 
 
 @pytest.fixture
 def mkl_first_call(monkeypatch):
     """torch's cos and sin as MKL's VML gave them in a scheduler's first threaded call (seen on the
     2-core AVX512-BF16 Xeon in about one process in five, ~5e-5 relative): past VML_CHUNK elements,
-    the second thread's half of the result at another accuracy."""
+    the second thread's half of the result at another accuracy; the other VML_OPS faked alike."""
     def as_first_call(original):
         def op(x, *args, **kwargs):
             out = original(x, *args, **kwargs)
@@ -36,7 +37,7 @@ def mkl_first_call(monkeypatch):
             return out
         return op
 
-    for name in ("cos", "sin"):
+    for name in VML_OPS:
         monkeypatch.setattr(torch, name, as_first_call(getattr(torch, name)))
         monkeypatch.setattr(torch.Tensor, name, as_first_call(getattr(torch.Tensor, name)))
 
