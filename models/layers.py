@@ -93,8 +93,12 @@ def _gelu_tanh(x) -> torch.Tensor:
     return (x32 / (1.0 + torch.exp(-y))).to(x.dtype)
 
 
-def _act_mul(name: str, invariant_mode: bool):
-    """act(gate) * up over [n, 2I] = [gate | up] (families' `act`)."""
+def _act_mul(name: str, invariant_mode: bool, fused: bool = False):
+    """act(gate) * up over [n, 2I] = [gate | up] (families' `act`). In the deterministic mode with
+    tercet's kernels (`fused`), silu's through their `silu_mul`, an exp of their own row by row: torch's
+    exp runs through MKL's VML, whose first threaded call in a process can round a chunk apart (rotary.py)."""
+    if name != "gelu_pytorch_tanh" and invariant_mode and fused:
+        return cpu_kernels.silu_mul
     if name == "gelu_pytorch_tanh":
         act = _gelu_tanh
     else:
@@ -164,7 +168,7 @@ class _Layer:
         self.window = family.window(config, index)
         self.softcap = family.attention_softcap(config) if family.attention_softcap else None
         self.residual_scale = family.residual_scale(config) if family.residual_scale else None
-        act = _act_mul(families.activation_of(config), model.invariant)
+        act = _act_mul(families.activation_of(config), model.invariant, model.fused)
         mlp = family.mlp(w.get, m, config, index, linear, act) if family.mlp is not None else None
         if mlp is None:
             mlp = _DenseMLP(linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"])),

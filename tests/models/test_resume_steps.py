@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from models.loading import tiny_config, tiny_model
 from models.rotary import MIN_POSITIONS, RotaryTable, rotary_rows
 from models.runner import ModelRunner, SeqInput
 
@@ -127,13 +128,26 @@ def test_a_restarted_runners_resume_steps_give_the_decoded_logits(tiny_llama, dt
     schedules (a first step of 150-300 rows, then chunked resumes beside decode rows)."""
     if fake:
         request.getfixturevalue("mkl_first_call")
+    assert_resumes_give_the_decoded_logits(tiny_llama, dtype, schedules=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_unfused_layers_resume_steps_too(mkl_first_call, dtype):
+    """Qwen3's q/k norms take the unfused layer path (torch ops around the kernels): its silu too
+    must not come from torch's VML-backed exp."""
+    model = tiny_model(tiny_config("qwen3", head_dim=16), seed=1)
+    assert not ModelRunner(model, dtype=dtype, kv_budget_bytes=1 << 20).model.llama_layers
+    assert_resumes_give_the_decoded_logits(model, dtype, schedules=1)
+
+
+def assert_resumes_give_the_decoded_logits(model, dtype, schedules: int) -> None:
     rnd = random.Random(28)
     prompts = [[rnd.randrange(3, 49000) for _ in range(rnd.randrange(30, 60))] for _ in range(6)]
     steps = 24
-    tokens, rows = decoded(tiny_llama, dtype, prompts, steps)
-    for _ in range(3):
+    tokens, rows = decoded(model, dtype, prompts, steps)
+    for _ in range(schedules):
         resumed_at = [len(p) + rnd.randrange(4, 21) for p in prompts]
-        restarted = Restarted(tiny_llama, dtype, [t[:-1] for t in tokens], rows)
+        restarted = Restarted(model, dtype, [t[:-1] for t in tokens], rows)
         for work in resume_schedule(rnd, [len(t) - 1 for t in tokens], resumed_at):
             restarted.step(work)
         assert restarted.differ == [], f"logits differ at (stream, position) {restarted.differ[:8]}"
