@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--speculative-num-draft", type=int, help="draft tokens a request verifies per step (1..16)")
     serve_p.add_argument("--speculative-max-ngram", type=int, help="the longest suffix looked up (default 3)")
     serve_p.add_argument("--speculative-min-ngram", type=int, help="the shortest suffix looked up (default 2)")
-    serve_p.add_argument("--speculative-max-batch", type=int, help="no drafts while more requests run (default 8)")
+    serve_p.add_argument("--speculative-max-batch", type=int, help="no drafts while more requests run (default 4)")
     serve_p.add_argument("--log-level", default="info")
     replica_p = sub.add_parser("replica", help="run one replica of a topology whose replicas are remote "
                                "(a Kubernetes pod, a host of its own): its scheduler and detokenizer")

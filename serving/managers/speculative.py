@@ -40,7 +40,7 @@ class SpeculativeConfig:
     num_draft: int = 4  # k: draft tokens proposed per step (at most)
     max_ngram: int = 3  # the longest suffix looked up
     min_ngram: int = 2  # the shortest
-    max_batch: int = 8  # no drafts while more requests than this run (a big batch is compute-bound)
+    max_batch: int = 4  # no drafts while more requests than this run (a big batch is compute-bound)
 
     def __post_init__(self) -> None:
         problem = check(self)

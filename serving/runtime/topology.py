@@ -101,7 +101,7 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     speculative_num_draft: int = 4  # draft tokens a request verifies per step, at most
     speculative_max_ngram: int = 3  # the longest suffix of a request looked up in its tokens
     speculative_min_ngram: int = 2  # the shortest
-    speculative_max_batch: int = 8  # no drafts while more requests than this run (a large batch is compute-bound)
+    speculative_max_batch: int = 4  # no drafts while more requests than this run (a larger batch is compute-bound)
     # torch threads per scheduler; default: torch's (one per core), divided among the replicas run on
     # this host (two schedulers spinning two threads each on two cores run several times slower)
     threads: int | None = None

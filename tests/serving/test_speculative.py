@@ -15,7 +15,7 @@ from serving.managers.messages import FinishReason, GenerateReq, SamplingParams
 from serving.managers.radix_cache import RadixCache
 from serving.managers.speculative import MAX_COOLDOWN, Drafter, SpeculativeConfig, propose
 
-NGRAM = SpeculativeConfig("ngram", num_draft=4, max_ngram=3, min_ngram=1)
+NGRAM = SpeculativeConfig("ngram", num_draft=4, max_ngram=3, min_ngram=1, max_batch=8)
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=7, ignore_eos=True)
 PENALISED = SamplingParams(max_new_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.3,
