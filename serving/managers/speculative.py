@@ -12,8 +12,9 @@ depend on how many tokens a step computes (the deterministic mode).
 A draft that misses costs a step of 1 + k rows for one token, so a request drafts only
 as far as its drafts have been holding, and backs off when they miss: after a draft
 accepted whole, the next may be ``num_draft`` long; after one accepted up to token a, a + 1
-long; after a draft with nothing accepted it is one token long, and the request waits
-1, 2, 4 ... up to ``MAX_COOLDOWN`` steps before it drafts again (anything accepted resets that).
+long; after a draft with less than half of it accepted (nothing, or a sampled request's
+drafts holding now and then) the request also waits 1, 2, 4 ... up to ``MAX_COOLDOWN`` steps
+before it drafts again; a draft at least half accepted resets that.
 
 Pure Python and numpy, per request a growing int32 copy of its tokens (``Drafter``): the
 lookup compares whole arrays, tens of microseconds for a context of thousands of tokens.
@@ -123,7 +124,7 @@ class Drafter:
         self.proposed += proposed
         self.accepted += accepted
         self._k = self.config.num_draft if accepted == proposed else accepted + 1
-        if accepted:
+        if 2 * accepted >= proposed > 0:
             self._cooldown = 0
         else:
             self._cooldown = min(MAX_COOLDOWN, max(1, 2 * self._cooldown))

@@ -66,6 +66,8 @@ def test_the_drafter_follows_a_growing_sequence_and_backs_off_after_misses():
     d.verified(4, 2)  # accepted up to its third token: three
     assert d.draft(tokens, 8) == [13, 14, 15]
     assert (d.proposed, d.accepted) == (37, 3)
+    d.verified(3, 1)  # less than half held (a sampled request's drafts): two tokens, after a wait
+    assert d.draft(tokens, 8) == [] and d.draft(tokens, 8) == [13, 14]
 
 
 @pytest.mark.parametrize("field, value, named", [
