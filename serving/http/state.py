@@ -276,7 +276,8 @@ class HealthMonitor:
             self.loop_lag = 0.7 * self.loop_lag + 0.3 * late
 
 
-SUMMED = ("waiting", "running", "kv_pages_total", "kv_pages_free", "cached_pages", "retracted", "aborted", "steps")
+SUMMED = ("waiting", "running", "kv_pages_total", "kv_pages_free", "cached_pages", "retracted", "aborted", "steps",
+          "speculative_draft_tokens", "speculative_accepted_tokens")
 
 
 @dataclass

@@ -510,3 +510,16 @@ async def test_only_a_repeat_crash_by_a_known_suspect_is_not_counted(nursery, to
     progress(tm, innocents[-1])  # an innocent that made progress since its crash
     tm.journal.record([innocents[-1].wire_rid])
     assert not tm.suspect_crashed(0)
+
+
+def test_replicas_info_is_merged_counts_added_up_the_rest_the_firsts():
+    from serving.http.state import merged_info
+
+    merged = merged_info([
+        server_info(waiting=1, running=2, requests_by_worker={"0": 3}, speculative_draft_tokens=8,
+                    speculative_accepted_tokens=6),
+        server_info(boot="c", waiting=4, running=1, requests_by_worker={"0": 1, "1": 4}, speculative_draft_tokens=4,
+                    speculative_accepted_tokens=1)])
+    assert (merged.waiting, merged.running, merged.requests_by_worker) == (5, 3, {"0": 4, "1": 4})
+    assert (merged.speculative_draft_tokens, merged.speculative_accepted_tokens) == (12, 7)
+    assert merged.boot == "b"
