@@ -256,9 +256,8 @@ class CausalLM:
         self.embed = w.get("model.embed_tokens.weight")
         self.embed_scale = family.embed_scale(config) if family.embed_scale else None
         self.layers = [_Layer(w, f"model.layers.{i}", self, i) for i in range(self.num_layers)]
-        # the rotary tables the layers name: inverse frequencies and cos/sin scale
+        # the rotary tables the layers name: inverse frequencies and cos/sin scale, and their rows per position
         self.ropes = {key: _rope_parameters(config, key) for key in {layer.rope for layer in self.layers} - {None}}
-        self.ropes = {key: (inv_freq.to(self.device), scale) for key, (inv_freq, scale) in self.ropes.items()}
         self.rotary = {key: RotaryTable(inv_freq, scale, dtype, self.device)
                        for key, (inv_freq, scale) in self.ropes.items()}
         self.final_norm = _Norm(w.get("model.norm.weight"), family.norm, self.eps)
