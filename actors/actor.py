@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import typing
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -37,7 +38,7 @@ from transports import DEFAULT_CAPACITY, Address, AddressError, Decoder, DropCou
 
 from ._errors import CallError, CallTimeout, unwrap
 
-__all__ = ["Actor", "ActorChild", "ActorStats", "Call", "Caller", "Context", "Heartbeat", "Reply"]
+__all__ = ["Actor", "ActorChild", "ActorStats", "Call", "Caller", "Context", "Heartbeat", "Pulse", "Reply"]
 
 log = logging.getLogger("actors")
 T = TypeVar("T")
@@ -62,10 +63,19 @@ class Reply(msgspec.Struct, tag="actors.reply", array_like=True, gc=False):
 
 
 class Heartbeat(msgspec.Struct, tag="actors.heartbeat", array_like=True, gc=False):
-    """Answered by the runtime itself (not ``handle``) with an empty Reply."""
+    """Answered by the runtime itself (not ``handle``): a Reply whose body is a ``Pulse``."""
 
     id: int
     reply_to: str
+
+
+class Pulse(msgspec.Struct, array_like=True, gc=False):
+    """What a heartbeat's answer says of the actor: which start of it answers (``boot``, new each
+    time it starts: a restarted actor answers with another) and whether it serves yet (``ready``:
+    its ``until_ready`` returned; an actor loading a model answers heartbeats before)."""
+
+    boot: str
+    ready: bool
 
 
 @functools.cache
@@ -100,9 +110,10 @@ class Caller:
         return await self._request(sender, lambda call_id: Call(call_id, self.reply_to, msg),
                                    type(msg).__name__, reply, timeout)
 
-    async def heartbeat(self, sender: Sender, *, timeout: float) -> None:
-        await self._request(sender, lambda call_id: Heartbeat(call_id, self.reply_to),
-                            "heartbeat", Any, timeout)
+    async def heartbeat(self, sender: Sender, *, timeout: float) -> Pulse | None:
+        """The peer's ``Pulse``; None from a peer of an earlier build (its answer says nothing)."""
+        return await self._request(sender, lambda call_id: Heartbeat(call_id, self.reply_to),
+                                   "heartbeat", Pulse | None, timeout)
 
     async def _request(self, sender: Sender, envelope: typing.Callable[[int], Any], what: str,
                        reply: Any, timeout: float) -> Any:
@@ -283,6 +294,8 @@ class ActorChild:
         self._stop_requested = trio.Event()
         self._waiting: trio.CancelScope | None = None
         self.bound = trio.Event()  # the mailbox is read: set before ``until_ready`` returns
+        self.boot = secrets.token_hex(8)  # this start of the actor, as its heartbeats' answers say
+        self.ready = False  # it reported ready (``until_ready`` returned)
 
     def request_stop(self) -> None:
         self._stop_requested.set()
@@ -306,6 +319,7 @@ class ActorChild:
                 await actor.on_start(ctx)
                 self.bound.set()
                 if type(actor).until_ready is Actor.until_ready:
+                    self.ready = True
                     task_status.started(ctx)
                 else:  # messages are dispatched while it gets ready
                     nursery.start_soon(_report_ready, actor, ctx, task_status)
@@ -351,6 +365,7 @@ class ActorChild:
 
 async def _report_ready(actor: Actor, ctx: Context, task_status: trio.TaskStatus[Context]) -> None:
     await actor.until_ready()
+    ctx._child.ready = True
     task_status.started(ctx)
 
 
@@ -368,7 +383,7 @@ async def _route_replies(inbox: Any, ctx: Context, handoff: trio.MemorySendChann
             elif isinstance(msg, Call | Heartbeat) and (problem := _reply_address_problem(msg.reply_to)):
                 ctx._unanswerable(msg, problem)
             elif isinstance(msg, Heartbeat):
-                await ctx._answer(msg, Reply(msg.id))
+                await ctx._answer(msg, Reply(msg.id, Pulse(ctx._child.boot, ctx._child.ready)))
             else:
                 await handoff.send(msg)
 

@@ -4,12 +4,16 @@ A supervisor starts its children in order, waiting for each to report ready,
 and watches them. A child marked ``with_previous`` starts at the same time as
 the one before it (for children that need nothing of each other to start);
 the next waits for both, and a start that fails cancels the others under way.
+A child marked ``wait=False`` is not waited for: it gets ready in the
+background (a peer on another host that may take minutes to answer), its
+``started`` event says when, and a start of it that fails is one more crash.
 When one exits, its restart type decides whether it comes back
 (``permanent``: always; ``transient``: only after a crash; ``temporary``:
 never) and the strategy decides which siblings go with it (``one_for_one``:
 none; ``one_for_all``: all; ``rest_for_one``: those started after it). More
 than ``max_restarts`` restarts within ``within`` seconds and the supervisor
-stops every child and fails upward with RestartIntensityExceeded (a crash
+stops every child and fails upward with RestartIntensityExceeded (never with
+``max_restarts=None``: children that only wait for something to come back; a crash
 that ``forgive(child, reason)`` calls provoked on purpose does not count: a
 test run meant to crash, say). Children stop in reverse order: asked first, then cancelled when their grace period
 runs out.
@@ -26,6 +30,7 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -70,6 +75,7 @@ class ChildSpec:
     restart: Restart = Restart.PERMANENT
     shutdown: float = 5.0  # grace period between asking and cancelling
     with_previous: bool = False  # starts together with the child before it, not after it
+    wait: bool = True  # the supervisor waits for it to report ready (False: it gets ready in the background)
 
 
 @dataclass(frozen=True)
@@ -104,14 +110,17 @@ class _Running:
 
 
 class _Status:
-    def __init__(self, status: Any, running: _Running) -> None:
+    def __init__(self, status: Any, running: _Running, on_started: Callable[[_Running], None] | None) -> None:
         self._status = status
         self._running = running
+        self._on_started = on_started
         self.reported = False
 
     def started(self, value: Any = None) -> None:
         self.reported = True
         self._running.value = value
+        if self._on_started is not None:
+            self._on_started(self._running)
         self._status.started(value)
 
 
@@ -120,7 +129,7 @@ _STOP = object()
 
 class Supervisor:
     def __init__(self, name: str, children: Sequence[ChildSpec], *,
-                 strategy: Strategy = Strategy.ONE_FOR_ONE, max_restarts: int = 3,
+                 strategy: Strategy = Strategy.ONE_FOR_ONE, max_restarts: int | None = 3,
                  within: float = 5.0, backoff: Backoff = Backoff(),
                  observer: Callable[[SupervisorEvent], None] | None = None,
                  forgive: Callable[[str, BaseException | None], bool] | None = None) -> None:
@@ -137,6 +146,7 @@ class Supervisor:
         self.forgive = forgive
         self.restarts: dict[str, int] = {spec.name: 0 for spec in children}
         self._running: dict[str, _Running] = {}
+        self._starting: dict[str, _Running] = {}  # ``wait=False`` children not ready yet
         self._restart_times: list[float] = []
         self._nursery: trio.Nursery | None = None
         self._events_send, self._events = trio.open_memory_channel[Any](float("inf"))
@@ -178,7 +188,7 @@ class Supervisor:
                 failure = exc
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._stop_children(list(self._running.values()))
+                    await self._stop_children([*self._running.values(), *self._starting.values()])
                 nursery.cancel_scope.cancel()
         if failure is not None:
             raise failure
@@ -194,7 +204,9 @@ class Supervisor:
         before. A failure (a ChildStartError) cancels the starts still under way."""
         groups: list[list[ChildSpec]] = []
         for spec in specs:
-            if spec.with_previous and groups:
+            if not spec.wait:
+                self._start_soon(spec)
+            elif spec.with_previous and groups:
                 groups[-1].append(spec)
             else:
                 groups.append([spec])
@@ -229,8 +241,37 @@ class Supervisor:
         self._running[spec.name] = running
         self._notify(spec.name, "started")
 
-    async def _run_child(self, running: _Running, task_status: Any) -> None:
-        status = _Status(task_status, running)
+    def _start_soon(self, spec: ChildSpec) -> None:
+        """Start ``spec`` (``wait=False``) in the background: it is running once it reported ready."""
+        running = _Running(spec, spec.start())
+        self._starting[spec.name] = running
+        assert self._nursery is not None
+        self._nursery.start_soon(self._start_in_background, running)
+
+    async def _start_in_background(self, running: _Running) -> None:
+        name = running.spec.name
+        assert self._nursery is not None
+        try:
+            await self._nursery.start(partial(self._run_child, on_started=self._started_in_background), running)
+        except Exception as exc:
+            if self._starting.pop(name, None) is not running or running.stopping:
+                return  # stopped while it got ready
+            reason = unwrap(exc)
+            log.error("%s: child %s failed to start: %r", self.name, name, reason)
+            self._running[name] = running  # (a crash of the child as it stands: its policy applies)
+            self._events_send.send_nowait(
+                (running, ChildStartError(f"{self.name}: child {name!r} failed to start: {reason!r}")))
+
+    def _started_in_background(self, running: _Running) -> None:
+        # (at once, as it reports: a crash right after finds it running)
+        name = running.spec.name
+        if self._starting.pop(name, None) is running and not running.stopping:
+            self._running[name] = running
+            self._notify(name, "started")
+
+    async def _run_child(self, running: _Running, task_status: Any,
+                         on_started: Callable[[_Running], None] | None = None) -> None:
+        status = _Status(task_status, running, on_started)
         reason: BaseException | None = None
         try:
             with running.scope:
@@ -282,11 +323,11 @@ class Supervisor:
             if counted:
                 self._restart_times.append(now)
             counted = True  # (a start that fails counts)
-            if len(self._restart_times) > self.max_restarts:
+            if self.max_restarts is not None and len(self._restart_times) > self.max_restarts:
                 self._notify(spec.name, "escalated", reason)
                 raise RestartIntensityExceeded(self.name, self.max_restarts, self.within, reason)
             group = self._group(spec)
-            await self._stop_children([self._running[s.name] for s in group if s.name in self._running])
+            await self._stop_children([r for s in group if (r := self._running.get(s.name) or self._starting.get(s.name))])
             group = [s for s in group if s is spec or s.restart != Restart.TEMPORARY]
             delay = self.backoff.delay(len(self._restart_times))
             log.warning("%s: restarting %s (cause: %r) in %.3g s", self.name,
@@ -318,6 +359,7 @@ class Supervisor:
     async def _stop_child(self, running: _Running) -> None:
         running.stopping = True
         self._running.pop(running.spec.name, None)
+        self._starting.pop(running.spec.name, None)
         if not running.done.is_set():
             with trio.move_on_after(running.spec.shutdown):
                 await running.child.stop()

@@ -176,7 +176,7 @@ class Harness:
 
     def actor_spec(self, name: str, factory: Callable[[], Actor], address: str, *,
                    restart: Restart = Restart.PERMANENT, shutdown: float = 5.0,
-                   capacity: int = 64, with_previous: bool = False) -> ChildSpec:
+                   capacity: int = 64, with_previous: bool = False, wait: bool = True) -> ChildSpec:
         """A ChildSpec for an actor whose faults this harness can inject."""
         faults = self._faults.setdefault(name, ActorFaults())
         return ChildSpec(
@@ -185,6 +185,7 @@ class Harness:
             restart,
             shutdown,
             with_previous,
+            wait,
         )
 
     async def start_supervisor(self, name: str, children: Sequence[ChildSpec],

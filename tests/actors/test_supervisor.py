@@ -270,3 +270,71 @@ async def test_kill_is_a_crash_with_the_given_reason(autojump_clock):
         await h.send("inproc://b", Ping(2))
         assert (await out.expect(Pong)).n == 2
         assert not sup.kill("nope", TimeoutError())
+
+
+# -- children not waited for (wait=False): a peer on another host that may take long to answer ------
+
+
+def background(h, log, slow="b", ready_after=10.0, failing=()):
+    """a, b, c, each ready at once but ``slow`` (after ``ready_after`` s, not waited for)."""
+    return [
+        h.actor_spec(name, lambda name=name: Quitter("inproc://out", name, log, fail_start=name in failing,
+                                                     ready_after=ready_after if name == slow else 0.0),
+                     f"inproc://{name}", wait=name != slow)
+        for name in ("a", "b", "c")
+    ]
+
+
+async def test_a_child_not_waited_for_gets_ready_in_the_background(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        t0 = trio.current_time()
+        sup = await h.start_supervisor("sup", background(h, log))
+        assert trio.current_time() == t0 and sup.running() == ["a", "c"]
+        started = await h.wait_event(lambda e: e.child == "b" and e.kind == "started", timeout=30)
+        assert trio.current_time() - t0 == pytest.approx(10.0) and started.supervisor == "sup"
+        assert sup.running() == ["a", "b", "c"]
+        await sup.stop()
+        await h.wait_event(lambda e: e.child == "a" and e.kind == "stopped")
+    assert [name for kind, name in log if kind == "stop"] == ["c", "b", "a"]
+
+
+async def test_siblings_are_restarted_while_a_child_gets_ready_in_the_background(autojump_clock):
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", background(h, [], ready_after=1000.0))
+        await h.send("inproc://c", Boom())
+        await h.wait_event(lambda e: h.count("started", "c") == 2, timeout=5)
+        assert sup.running() == ["a", "c"] and h.count("started", "b") == 0
+        await h.wait_event(lambda e: e.child == "b" and e.kind == "started", timeout=2000)
+
+
+async def test_a_child_stopped_while_it_gets_ready_is_stopped_within_its_grace(autojump_clock):
+    log = []
+    async with open_harness() as h:
+        sup = await h.start_supervisor("sup", background(h, log, ready_after=1000.0))
+        t0 = trio.current_time()
+        await sup.stop()
+        stopped = await h.wait_event(lambda e: e.child == "b" and e.kind == "stopped", timeout=60)
+        assert trio.current_time() - t0 <= 5.0 + 0.1  # its grace, then cancelled
+        await h.wait_event(lambda e: e.child == "a" and e.kind == "stopped", timeout=60)
+        assert stopped.supervisor == "sup" and h.count("started", "b") == 0
+        assert not [e for e in h.events if e.kind in ("crashed", "restarting", "failed")]
+
+
+async def test_a_start_in_the_background_that_fails_is_a_crash(autojump_clock):
+    async with open_harness() as h:
+        await h.start_supervisor("sup", background(h, [], failing=("b",), ready_after=1.0), max_restarts=2,
+                                 within=100.0)
+        crash = await h.wait_event(lambda e: e.child == "b" and e.kind == "crashed", timeout=5)
+        assert isinstance(crash.reason, ChildStartError) and "'b' failed to start" in str(crash.reason)
+        failed = await h.wait_event(lambda e: e.kind == "failed", timeout=60)
+        assert isinstance(failed.reason, RestartIntensityExceeded) and h.count("crashed", "b") == 3
+
+
+async def test_a_supervisor_without_a_restart_limit_never_gives_up(autojump_clock):
+    async with open_harness() as h:
+        await h.start_supervisor("sup", trio_of(h, []), max_restarts=None, within=100.0)
+        for n in range(12):
+            await h.send("inproc://b", Boom())
+            await h.wait_event(lambda e, n=n: h.count("started", "b") == n + 2)
+        assert not [e for e in h.events if e.kind in ("escalated", "failed")]
