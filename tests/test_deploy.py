@@ -148,6 +148,12 @@ def test_frontend_ports_agree(objects, topology):
     assert service_ports["mailbox"]["port"] == port_of(mailbox["address"])
     assert service_ports["mailbox"]["targetPort"] == container_ports(deployment)["mailbox"] \
         == port_of(mailbox["bind"])
+    # ...and answer the front end's heartbeats at the monitor, through it too
+    monitor = topology["actors"]["monitor"]
+    assert host_of(monitor["address"]) == service["metadata"]["name"]
+    assert service_ports["monitor"]["port"] == port_of(monitor["address"])
+    assert service_ports["monitor"]["targetPort"] == container_ports(deployment)["monitor"] \
+        == port_of(monitor["bind"])
     server = topology["server"]
     assert server["host"] == "0.0.0.0" and server["workers"] == 1
     assert service_ports["http"]["targetPort"] == container_ports(deployment)["http"] == server["port"]
@@ -322,6 +328,15 @@ def test_only_tercet_pods_reach_the_actors(objects):
             for peer in rule["from"]:
                 assert set(peer) == {"podSelector"}  # no namespaceSelector, no ipBlock
                 assert any(peer["podSelector"]["matchLabels"].items() <= labels.items() for labels in pods.values())
+
+
+def test_the_replicas_may_dial_the_front_ends_mailbox_and_monitor_only(objects, topology):
+    frontend = objects["Deployment", "tercet-frontend"]["spec"]["template"]["metadata"]["labels"]
+    egress = objects["NetworkPolicy", "tercet-replica"]["spec"]["egress"]
+    dialed = {p["port"] for rule in egress for peer in rule["to"]
+              if peer.get("podSelector", {}).get("matchLabels", {}).items() <= frontend.items() and "namespaceSelector" not in peer
+              for p in rule["ports"]}
+    assert dialed == {port_of(topology["actors"][actor]["address"]) for actor in ("tokenizer", "monitor")}
 
 
 def test_manifests_pass_the_kubernetes_schemas_strictly():

@@ -6,23 +6,18 @@ finished there; the ``Router`` that picks the replica of each new request; and
 the questions asked of every replica at once (``call_all``). A server without
 replicas is a pool of one. The tokenizer manager owns the pool: it routes,
 releases and resumes through it; the runtime changes it only through its
-methods (``set_up``, ``set_down``, ``set_addresses``, ``loading``); HTTP reads
+methods (``set_up``, ``set_down``, ``set_addresses``, ``set_loading``); HTTP reads
 ``figures()``.
 
-Replicas started elsewhere (``process: remote``: a pod, a Ray node) have no
-process here to wait on: the pool asks each one's scheduler and detokenizer how
-they are every ``REMOTE_PROBE_S`` (``watch_remote``) and says what it saw
-(``on_remote(replica, up, cause)``): down when one does not answer within the
-timeout or answers from another process than before (it restarted: what it ran
-is lost), up again when both answer. One whose outputs stalled may still answer
-questions: it is held down until it restarts.
+Replicas started elsewhere (``process: remote``: a pod, a Ray node) are
+watched by the runtime's supervisors (``serving.runtime.replicas``), as the
+local ones are: the pool hears what they saw through the same methods.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +26,11 @@ import trio
 from actors import CallError, Context
 
 from .journal import journal_path
-from .messages import DetokenizerInfoReq, ServerInfoReq
 from .router import Router
 
-__all__ = ["REMOTE_PROBE_S", "Replica", "ReplicaPool"]
+__all__ = ["Replica", "ReplicaPool"]
 
 log = logging.getLogger(__name__)
-
-REMOTE_PROBE_S = 0.5  # how often a remote replica is asked how it is
 
 
 @dataclass
@@ -48,9 +40,8 @@ class Replica:
     scheduler: str
     detokenizer: str | None
     journal: str | None  # where its scheduler journals its steps (None: it does not; see journal.py)
-    remote: bool = False  # started elsewhere: watched by asking (``ReplicaPool.watch_remote``)
+    remote: bool = False  # started elsewhere (watched by heartbeats)
     up: bool = True  # taking requests
-    stalled: bool = False  # (remote) its outputs stalled: down until it restarts
     loading: bool = False  # (remote) it answers that it is loading its model: down until it serves
     prompt_tokens: int = 0  # of the requests that finished there
     cached_tokens: int = 0  # ...of those, served from its prefix cache
@@ -59,8 +50,7 @@ class Replica:
 class ReplicaPool:
     def __init__(self, addresses: Sequence[Mapping[str, str | None]], *, router: Router | None = None,
                  serving: Collection[int] | None = None, journals: Sequence[str | None] | None = None,
-                 remote: Collection[int] = (), remote_timeout: float = 10.0,
-                 on_remote: Callable[[int, bool, str], None] | None = None) -> None:
+                 remote: Collection[int] = (), remote_timeout: float = 10.0) -> None:
         """``addresses``: each replica's ``scheduler`` (and ``detokenizer``) address; ``serving``: those
         up now (default: all); ``journals``: each scheduler's step journal (default: where a scheduler at
         that address writes it); ``remote``: those started elsewhere."""
@@ -73,14 +63,12 @@ class ReplicaPool:
         ]
         self.router = router or Router(len(self.replicas))
         assert self.router.replicas == len(self.replicas)
-        self.remote_timeout = remote_timeout
-        self.on_remote = on_remote
+        self.remote_timeout = remote_timeout  # (how long a remote replica is waited for an answer)
         self.ctx: Context | None = None
         self._any_up = trio.Event()
         if self.serving():
             self._any_up.set()
         self._closed = False  # the runtime gave up: nothing waits for a replica any more
-        self._loading = False  # the replicas load new weights: they answer nothing else meanwhile
 
     @classmethod
     def of(cls, scheduler: str | Sequence[str], detokenizer: str | Sequence[str] | None = None,
@@ -142,20 +130,9 @@ class ReplicaPool:
         replica = self.replicas[index]
         replica.scheduler, replica.detokenizer = scheduler, detokenizer
 
-    @contextmanager
-    def loading(self) -> Iterator[None]:
-        """While the replicas load new weights: they answer nothing else meanwhile, and are not lost."""
-        self._loading = True
-        try:
-            yield
-        finally:
-            self._loading = False
-
-    def stalled(self, index: int) -> None:
-        """``index``'s outputs stalled. A remote one may still answer questions: it is not taken back
-        until it restarted (the runtime restarts a local one)."""
-        if self.replicas[index].remote:
-            self.replicas[index].stalled = True
+    def set_loading(self, index: int, loading: bool) -> None:
+        """Remote replica ``index`` answers that it is loading its model (it is down until it serves), or not."""
+        self.replicas[index].loading = loading
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -191,11 +168,8 @@ class ReplicaPool:
     # -- questions ---------------------------------------------------------------------------
 
     def start(self, ctx: Context) -> None:
-        """Ask through ``ctx`` (the tokenizer manager's) from now on; watch the remote replicas."""
+        """Ask through ``ctx`` (the tokenizer manager's) from now on."""
         self.ctx = ctx
-        for index, replica in enumerate(self.replicas):
-            if replica.remote:
-                ctx.nursery.start_soon(self.watch_remote, index)
 
     async def call(self, index: int, msg: Any, *, timeout: float = 10.0, detokenizer: bool = False,
                    reply: Any = None) -> Any:
@@ -222,47 +196,3 @@ class ReplicaPool:
             for index in self.serving():
                 nursery.start_soon(ask, index)
         return answers
-
-    async def watch_remote(self, index: int) -> None:
-        """Ask remote replica ``index``'s scheduler and detokenizer how they are, every ``REMOTE_PROBE_S``:
-        up while both answer (within ``remote_timeout``) from the same processes as before."""
-        replica = self.replicas[index]
-        boots: tuple[Any, Any] | None = None
-        while True:
-            if self._loading:
-                await trio.sleep(REMOTE_PROBE_S)
-                continue
-            try:
-                with trio.fail_after(self.remote_timeout):
-                    # (as they come: a replica of another build is watched by its boot, if it gives one)
-                    scheduler = await self.call(index, ServerInfoReq(), timeout=self.remote_timeout, reply=Any)
-                    detokenizer = await self.call(index, DetokenizerInfoReq(), timeout=self.remote_timeout,
-                                                  detokenizer=True, reply=Any)
-                seen = (_boot(scheduler), _boot(detokenizer))
-            except (CallError, trio.TooSlowError) as exc:
-                seen = None
-                cause = f"replica {index} does not answer in {self.remote_timeout:g} s: {exc}"
-            if self.on_remote is not None and not self._loading:  # (a look begun before a load)
-                if seen is None:
-                    self.on_remote(index, False, cause)
-                else:
-                    if boots is not None and seen != boots:  # restarted between two looks: what it ran is lost
-                        self.on_remote(index, False, f"replica {index} restarted")
-                        replica.stalled = False
-                    replica.loading = _loading(scheduler)
-                    if replica.loading:  # bound, its model not in: not up until it is
-                        self.on_remote(index, False, f"replica {index} is loading its model")
-                    elif not replica.stalled:  # one that stalled: back once it restarted
-                        self.on_remote(index, True, "")
-                    boots = seen
-            await trio.sleep(REMOTE_PROBE_S)
-
-
-def _loading(answer: Any) -> bool:
-    """Whether a replica's info answer says that it is loading its model (one that does not say: no)."""
-    return bool(answer.get("loading") if isinstance(answer, dict) else getattr(answer, "loading", False))
-
-
-def _boot(answer: Any) -> Any:
-    """The boot id in a replica's info answer; None when it gives none (another build, a proxy)."""
-    return answer.get("boot") if isinstance(answer, dict) else getattr(answer, "boot", None)

@@ -268,7 +268,6 @@ class TokenizerManager(Actor):
     def _stalled(self, replica: int, report: WatchdogTimeout) -> None:
         log.error("no output for %g s with %d requests in flight%s", report.timeout, self.replicas.load(replica),
                   f" on replica {replica}" if len(self.replicas) > 1 else "")
-        self.replicas.stalled(replica)
         if self.on_stall is not None:
             self.on_stall(report, replica)
 

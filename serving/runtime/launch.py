@@ -151,10 +151,10 @@ class LocalRuntime(Supervised):
         workers = [self.addresses["tokenizer"]]
         placements = topology.replica_placements()
         self.replicas = ReplicaSet(
-            topology, runtime_dir,
+            topology, runtime_dir, hub,
             lambda i, addresses: core_specs(topology, addresses, workers, hub, tokenizer, lambda: self.weights,
                                             placements[i]),
-            lambda i: partial(self._convicts, i))
+            lambda i: partial(self._convicts, i), self._remote_loading)
         self.status = ReplicaStatus(self.replicas, self._replica_changed)
         bind = topology.actors.tokenizer.bind
         front = [ChildSpec("tokenizer", lambda: ActorChild(
@@ -182,12 +182,15 @@ class LocalRuntime(Supervised):
     def _new_tokenizer_manager(self) -> TokenizerManager:
         # (a restarted tokenizer manager starts from things as they stand)
         return make_tokenizer_manager(self.topology, self.tokenizer, self.addresses, replicas=self.replicas.addresses,
-                                      serving=self.status.serving, on_stall=self.kill_scheduler,
-                                      on_remote=self.status.remote_seen)
+                                      serving=self.status.serving, on_stall=self.kill_scheduler)
 
     @property
     def tokenizer_manager(self) -> TokenizerManager:
         return self._tm.current
+
+    def _remote_loading(self, replica: int, loading: bool) -> None:
+        if self._tm.started:
+            self._tm.current.replicas.set_loading(replica, loading)
 
     def kill_scheduler(self, reason: BaseException, replica: int = 0) -> None:
         """Replica ``replica``'s outputs stalled: restart its scheduler, and move its requests now, not once
@@ -195,6 +198,7 @@ class LocalRuntime(Supervised):
         output can come until it is back, and the scheduler is not to blame."""
         if replica in self.status.remote:  # not ours to kill: its own watchdogs restart it; its requests move
             self.status.mark_down(replica, f"replica {replica} stalled: {reason!r}", cache_lost=True)
+            self.replicas.give_up(replica, reason)  # (it takes requests again once it restarted)
             return
         supervisor = self.replicas.supervisors[replica]
         if supervisor is None or "detokenizer" not in supervisor.running():
@@ -223,8 +227,7 @@ class LocalRuntime(Supervised):
 
     async def _load_weights(self, path: str) -> WeightsResult:
         replicas = self.tokenizer_manager.replicas
-        with replicas.loading():  # (the remote ones' watch: a replica loading weights answers nothing else)
-            answers = await replicas.call_all(UpdateWeightsReq(path), timeout=600.0)
+        answers = await replicas.call_all(UpdateWeightsReq(path), timeout=600.0)
         for i, answer in answers.items():
             if isinstance(answer, CallError):  # no answer in time: unknown, not failed; ask again
                 try:

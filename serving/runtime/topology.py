@@ -183,6 +183,9 @@ class ActorsSection(msgspec.Struct, forbid_unknown_fields=True):
     # with scheduler.replicas > 1: each replica's placements (required over tcp://, one per replica);
     # without, replica i's addresses are the scheduler's and the detokenizer's with "-i" appended
     replicas: list[ReplicaPlacement] | None = None
+    # required with replicas started elsewhere (process: remote): the front end's mailbox for the answers
+    # to the heartbeats it sends them, which they dial (tcp://, a port of its own)
+    monitor: Placement | None = None
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True):
@@ -252,6 +255,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         for i, replica in enumerate(self.actors.replicas or []):
             placements += [(f"actors.replicas.{i}.scheduler", replica.scheduler),
                            (f"actors.replicas.{i}.detokenizer", replica.detokenizer)]
+        if self.actors.monitor is not None:
+            placements.append(("actors.monitor", self.actors.monitor))
         for where, placement in placements:
             for field, value in (("address", placement.address), ("bind", placement.bind)):
                 if value is not None and not re.fullmatch(r"(inproc|ipc|tcp)://.+", value):
@@ -307,6 +312,17 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
         addresses = [a for r in self.replica_addresses(Path("/")) for a in r.values()]
         if len(set(addresses)) != len(addresses):
             raise TopologyError(f"actors.replicas: two replicas share an address ({sorted(addresses)})")
+        monitor = self.monitor_placement()
+        if remote and (monitor is None or not monitor.address.startswith("tcp://")):
+            raise TopologyError("actors.monitor: the remote replicas answer the front end's heartbeats there: give it "
+                                "a tcp://HOST:PORT address they reach, a port of its own (e.g. actors.monitor: "
+                                "{address: \"tcp://FRONTEND:30103\"})")
+        if monitor is not None and monitor.process != "main":
+            raise TopologyError("actors.monitor.process: the monitor runs with the tokenizer manager (main)")
+        if monitor is not None and monitor.address in {self.actors.tokenizer.address, *(
+                a for r in self.replica_addresses(Path("/")) for a in r.values())}:
+            raise TopologyError(f"actors.monitor.address: {monitor.address} is another actor's; give actors.monitor "
+                                "an address of its own")
 
     def hub_options(self, *, generate: bool = True) -> HubOptions:
         """What every hub of this server opens with (``generate``: make the keys of
@@ -340,6 +356,11 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             return [ReplicaPlacement(sched, detok)]
         return [ReplicaPlacement(msgspec.structs.replace(sched, address=f"{sched.address}-{i}"),
                                  msgspec.structs.replace(detok, address=f"{detok.address}-{i}")) for i in range(n)]
+
+    def monitor_placement(self) -> Placement | None:
+        """Where the answers to the heartbeats sent to remote replicas come (None without remote replicas)."""
+        remote = any(r.scheduler.process == "remote" for r in self.replica_placements())
+        return self.actors.monitor if remote else None
 
     @property
     def replicated(self) -> bool:

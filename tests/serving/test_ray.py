@@ -34,7 +34,7 @@ def ray_topology(tmp_path, address):
             "supervision": {"max_restarts": 20, "quarantine_after": 1000},
             "watchdogs": {"remote_timeout": 3.0},
             "actors": {"tokenizer": {"process": "main", "address": f"tcp://127.0.0.1:{free_tcp_port()}"},
-                       "replicas": replicas}}
+                       "monitor": {"address": f"tcp://127.0.0.1:{free_tcp_port()}"}, "replicas": replicas}}
     path = tmp_path / "ray.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -114,6 +114,7 @@ def topology(tmp_path):
         "model": {"path": "/models/x"}, "server": {"launcher": "ray", "api_key": "sesame", "admin_api_key": "open-up"},
         "scheduler": {"replicas": 1},
         "actors": {"tokenizer": {"process": "main", "address": "tcp://127.0.0.1:30100"},
+                   "monitor": {"address": "tcp://127.0.0.1:30103"},
                    "replicas": [{"scheduler": {"process": "remote", "address": "tcp://127.0.0.1:30101",
                                                "resources": {"CPU": 2, "GPU": 1}},
                                  "detokenizer": {"process": "remote", "address": "tcp://127.0.0.1:30102"}}]}}))

@@ -6,9 +6,15 @@ text of a fault-free run."""
 import os
 import signal
 
+from pathlib import Path
+
 import httpx
 import pytest
 import trio
+
+from actors import Actor
+
+from ..actors.messages import Ping
 
 from serving.managers.router import Router, RouterConfig
 from serving.runtime.topology import TopologyError, load_topology
@@ -86,7 +92,8 @@ def test_replica_addresses_are_numbered_and_bad_replica_topologies_name_the_fiel
 def test_remote_placements_are_checked():
     remote = {"scheduler": {"process": "remote", "address": "tcp://127.0.0.1:7001", "bind": "tcp://127.0.0.1:7001"},
               "detokenizer": {"process": "remote", "address": "tcp://127.0.0.1:7002"}}
-    topology = load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote]})
+    topology = load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote],
+                                     "actors.monitor": {"address": "tcp://127.0.0.1:7100"}})
     assert topology.replicated  # one replica, but started elsewhere: watched, not supervised here
     with pytest.raises(TopologyError, match=r"actors.scheduler.process: remote placements are replicas'"):
         load_topology("tcp", {"actors.scheduler": {"process": "remote", "address": "tcp://127.0.0.1:7001"}})
@@ -101,6 +108,30 @@ def test_remote_placements_are_checked():
         load_topology("tcp", {"actors.replicas": [negative]})
     with pytest.raises(TopologyError, match=r"transport.curve.generate: replicas started elsewhere"):
         load_topology("tcp", {"actors.replicas": [remote], "transport.curve": {"generate": True}})
+
+
+def test_remote_replicas_need_a_monitor_of_their_own_and_it_is_checked():
+    from serving.runtime.topology import Placement
+
+    remote = {"scheduler": {"process": "remote", "address": "tcp://127.0.0.1:7001"},
+              "detokenizer": {"process": "remote", "address": "tcp://127.0.0.1:7002"}}
+    given = load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote],
+                                  "actors.monitor": {"address": "tcp://127.0.0.1:7100"}})
+    assert given.monitor_placement() == Placement("tcp://127.0.0.1:7100")
+    assert load_topology("tcp", {"actors.monitor": {"address": "tcp://127.0.0.1:7100"}}).monitor_placement() is None
+    for monitor in (None, {"address": "ipc:///tmp/m"}):
+        with pytest.raises(TopologyError, match=r"actors.monitor: the remote replicas answer the front end's "
+                                                r"heartbeats there: give it a tcp://HOST:PORT address"):
+            load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote], "actors.monitor": monitor})
+    with pytest.raises(TopologyError, match=r"actors.monitor.address: tcp://127.0.0.1:7001 is another actor's"):
+        load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote],
+                              "actors.monitor": {"address": "tcp://127.0.0.1:7001"}})
+    with pytest.raises(TopologyError, match=r"actors.monitor.process: the monitor runs with the tokenizer manager"):
+        load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote],
+                              "actors.monitor": {"address": "tcp://127.0.0.1:7100", "process": "child"}})
+    with pytest.raises(TopologyError, match=r"actors.monitor.address: tcp://10.0.0.9:7100 is not a loopback"):
+        load_topology("tcp", {"scheduler.replicas": 1, "actors.replicas": [remote],
+                              "actors.monitor": {"address": "tcp://10.0.0.9:7100"}})
 
 
 def test_dp_size_sets_the_replicas():
@@ -260,8 +291,97 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
 # -- replicas started elsewhere (process: remote), as Kubernetes or Ray would ------------------
 
 
+class Peer(Actor):
+    """A remote replica's part as heartbeats see it; one made with ``loaded`` serves once it is set."""
+
+    inbox = Ping
+
+    def __init__(self, loaded=None):
+        self.loaded = loaded
+
+    async def until_ready(self):
+        if self.loaded is not None:
+            await self.loaded.wait()
+
+
+async def test_a_remote_replica_is_a_supervisor_child_watched_by_heartbeats(autojump_clock):
+    """A remote replica's two parts are RemoteChild-ren under a supervisor of its own, not waited for at
+    start: the replica is up once both serve (a scheduler loading its model answers that it is not ready,
+    and the pool hears it), down (its cache lost) when its scheduler stops answering, up again when a new
+    start of it serves; given up on (its outputs stalled), it is down until it restarted."""
+    import msgspec
+
+    from actors.testing import open_harness
+    from serving.runtime.replicas import ReplicaSet, ReplicaStatus
+    from serving.runtime.topology import Topology
+
+    topology = msgspec.convert({  # (inproc for the MockClock: the placements are not checked here)
+        "watchdogs": {"remote_timeout": 3.0},
+        "actors": {"tokenizer": {"address": "inproc://tokenizer"}, "monitor": {"address": "inproc://monitor"},
+                   "replicas": [{"scheduler": {"process": "remote", "address": "inproc://s0"},
+                                 "detokenizer": {"process": "remote", "address": "inproc://d0"}}]}}, Topology)
+    changes, loading = [], []
+
+    async def until(condition, timeout=60.0):
+        with trio.fail_after(timeout):
+            while not condition():
+                await trio.sleep(0.1)
+
+    async def stop(peer, name):
+        await peer.stop()
+        await h.wait_event(lambda e: e.child == name and e.kind == "stopped")
+
+    async with open_harness() as h, trio.open_nursery() as nursery:
+        replicas = ReplicaSet(topology, Path("/nonexistent"), h.hub, lambda i, a: [], lambda i: None,
+                              lambda i, flag: loading.append(flag))
+        status = ReplicaStatus(replicas, lambda change, i, cause, lost: changes.append((change, i, cause, lost)))
+        loaded, peers = trio.Event(), {}
+
+        async def start_loading():
+            peers["s0"] = await h.start_actor("s0", lambda: Peer(loaded), "inproc://s0")
+
+        nursery.start_soon(start_loading)
+        detokenizer = await h.start_actor("d0", Peer, "inproc://d0")
+        server = replicas.server([], status.observe)
+        t0 = trio.current_time()
+        await nursery.start(server.run)
+        assert trio.current_time() == t0 and server.running() == ["monitor"]  # the replica is not waited for
+        await trio.sleep(10.0)
+        assert changes == [] and status.serving == set() and loading and all(loading)  # bound, loading
+        loaded.set()
+        await until(lambda: changes)
+        assert changes == [("up", 0, "", False)] and status.serving == {0} and loading[-1] is False
+
+        changes.clear()
+        await stop(peers["s0"], "s0")
+        await until(lambda: changes)
+        assert changes[0][:2] == ("down", 0) and "scheduler-0" in changes[0][2] and "HeartbeatLost" in changes[0][2]
+        assert changes[0][3] is True and status.serving == set()  # its scheduler's cache is lost
+        scheduler = await h.start_actor("s0-again", Peer, "inproc://s0")
+        await until(lambda: len(changes) == 2)
+        assert changes[1] == ("up", 0, "", False) and status.serving == {0}
+
+        replicas.give_up(0, RuntimeError("outputs stalled"))  # not trusted until it restarts
+        await until(lambda: len(changes) == 3)
+        assert changes[2][:2] == ("down", 0) and "outputs stalled" in changes[2][2]
+        await trio.sleep(30.0)  # it answers, from the start given up on: still down
+        assert len(changes) == 3 and status.serving == set()
+        await stop(scheduler, "s0-again")
+        await h.start_actor("s0-third", Peer, "inproc://s0")
+        await until(lambda: len(changes) == 4)
+        assert changes[3] == ("up", 0, "", False)
+        assert status.restarts == {"scheduler-0": 2, "detokenizer-0": 0}
+        await stop(detokenizer, "d0")  # a detokenizer lost: down, the scheduler's cache kept
+        await until(lambda: len(changes) == 5)
+        assert changes[4][:2] == ("down", 0) and changes[4][3] is False
+        await server.stop()
+        nursery.cancel_scope.cancel()
+
+
+
+
 def remote_topology(tmp_path, ports, model, weights_roots=()):
-    """Two remote replicas and the front end's mailbox, over tcp on loopback (the YAML file). A replica
+    """Two remote replicas, the front end's mailbox and its monitor, over tcp on loopback (the YAML file). A replica
     loads new weights only from under its own ``weights_roots`` (it checks them itself)."""
     import yaml
 
@@ -277,6 +397,7 @@ def remote_topology(tmp_path, ports, model, weights_roots=()):
             "supervision": {"max_restarts": 20, "quarantine_after": 1000},
             "watchdogs": {"remote_timeout": 2.0},
             "actors": {"tokenizer": {"process": "main", "address": f"tcp://127.0.0.1:{ports[0]}"},
+                       "monitor": {"address": f"tcp://127.0.0.1:{ports[5]}"},
                        "replicas": [{"scheduler": at(ports[1]), "detokenizer": at(ports[2])},
                                     {"scheduler": at(ports[3]), "detokenizer": at(ports[4])}]}}
     path = tmp_path / "remote.yaml"
@@ -314,12 +435,15 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
     from ..conftest import free_tcp_port
     from .test_update_weights import GREEDY
 
-    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(5)], model_dirs["a"], [model_dirs["root"]])
+    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(6)], model_dirs["a"], [model_dirs["root"]])
     replicas = [await start_replica(nursery, config, i) for i in range(2)]
     url, app = await start_server(nursery, str(config), **{"model.path": model_dirs["a"]})
     tm = app.state.server.runtime.tokenizer_manager
     status = app.state.server.runtime.status
-    assert tm.replicas.remote == {0, 1} and app.state.server.runtime.replicas.specs == []  # none started here
+    # none started here: each is watched by a supervisor of heartbeats, not waited for at start
+    specs = app.state.server.runtime.replicas.specs
+    assert tm.replicas.remote == {0, 1} and [(s.name, s.wait) for s in specs] == [
+        ("monitor", True), ("replica-0", False), ("replica-1", False)]
 
     async def kill(app, client):
         os.killpg(replicas[1].pid, signal.SIGKILL)

@@ -2,7 +2,6 @@
 what a resume sends, and what it must not."""
 
 import pytest
-import msgspec
 import trio
 import trio.testing
 
@@ -416,45 +415,6 @@ async def test_the_old_tokenizer_managers_streams_end_when_its_actor_restarts(nu
     await trio.testing.wait_all_tasks_blocked()
     assert chunks[-1].finished.status_code == 503 and "restarted" in chunks[-1].finished.message
     assert old.rid_to_state == {}
-
-
-async def test_a_remote_replica_that_answers_without_a_boot_is_up_not_an_error(nursery, tokenizer, autojump_clock):
-    seen = []
-    ctx = AnsweringContext(nursery, lambda address, msg: {"waiting": 0})  # another build: no "boot"
-    pool = ReplicaPool.of(REPLICAS[:1], ["inproc://d0"], remote={0},
-                          on_remote=lambda replica, up, cause: seen.append((replica, up, cause)))
-    pool.ctx = ctx
-    with trio.move_on_after(2.0):
-        await pool.watch_remote(0)
-    assert seen and set(seen) == {(0, True, "")}
-
-
-async def test_a_remote_replica_that_answers_it_is_loading_is_up_only_once_it_serves(nursery, tokenizer,
-                                                                                    autojump_clock):
-    """Issue 29 N12: a remote scheduler is bound before its model is in and says so: not up until it serves."""
-    from serving.managers.messages import DetokenizerInfoReq
-    from serving.managers.replica_pool import REMOTE_PROBE_S
-
-    loading = [True]
-    seen = []
-
-    def answer(address, msg):
-        # (as it comes off the wire: the pool asks for any answer, a replica of another build's too)
-        return {"boot": "d"} if isinstance(msg, DetokenizerInfoReq) else \
-            msgspec.to_builtins(server_info(loading=loading[0]))
-
-    pool = ReplicaPool.of(REPLICAS[:1], ["inproc://d0"], remote={0}, serving=set(),
-                          on_remote=lambda replica, up, cause: seen.append((replica, up, cause)))
-    pool.ctx = AnsweringContext(nursery, answer)
-    with trio.move_on_after(3 * REMOTE_PROBE_S):
-        await pool.watch_remote(0)
-    assert seen and set(seen) == {(0, False, "replica 0 is loading its model")}
-    assert pool.figures()[0]["loading"] is True
-    loading[0] = False
-    seen.clear()
-    with trio.move_on_after(3 * REMOTE_PROBE_S):
-        await pool.watch_remote(0)
-    assert seen and set(seen) == {(0, True, "")} and pool.figures()[0]["loading"] is False
 
 
 async def test_the_health_monitor_survives_any_exception_from_a_probe(autojump_clock):
