@@ -61,6 +61,7 @@ OVERRIDES = {
     "speculative_max_ngram": "scheduler.speculative_max_ngram",
     "speculative_min_ngram": "scheduler.speculative_min_ngram",
     "speculative_max_batch": "scheduler.speculative_max_batch",
+    "speculative_max_batch_sampled": "scheduler.speculative_max_batch_sampled",
     "tool_call_parser": "server.tool_call_parser",
     "reasoning_parser": "server.reasoning_parser",
     "dp_size": "scheduler.replicas",
@@ -126,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--speculative-max-ngram", type=int, help="the longest suffix looked up (default 3)")
     serve_p.add_argument("--speculative-min-ngram", type=int, help="the shortest suffix looked up (default 2)")
     serve_p.add_argument("--speculative-max-batch", type=int, help="no drafts while more requests run (default 4)")
+    serve_p.add_argument("--speculative-max-batch-sampled", type=int,
+                         help="...for a sampled request (default 1: it drafts while it runs alone)")
     serve_p.add_argument("--log-level", default="info")
     replica_p = sub.add_parser("replica", help="run one replica of a topology whose replicas are remote "
                                "(a Kubernetes pod, a host of its own): its scheduler and detokenizer")

@@ -113,6 +113,10 @@ class Output:
     top_logprobs: list[list[tuple[int, float]]]
 
 
+def _greedy(s: SamplingParams) -> bool:
+    return s.temperature == 0 or s.top_k == 1
+
+
 def _max_new(s: SamplingParams) -> int:
     """None (the tokenizer manager resolves it; here for a direct sender): up to the context window."""
     return s.max_new_tokens if s.max_new_tokens is not None else 2**31 - 1
@@ -287,10 +291,13 @@ class BatchState:
 
     def _draft(self, req: Req) -> list[int]:
         """The draft ``req`` verifies this step (its decode already has its page): none while more
-        than ``max_batch`` requests run; never more tokens than it may still emit less one (the
-        draw after the draft is emitted too); cut to its own pages when the pool has no room to spare."""
+        than ``max_batch`` requests run (``max_batch_sampled`` for a sampled request); never more tokens than
+        it may still emit less one (the draw after the draft is emitted too); cut to its own pages when
+        the pool has no room to spare."""
         if len(self.running) > self.speculative.max_batch or req.alone:  # (on probation: one call, no more rows)
             return []
+        if len(self.running) > self.speculative.max_batch_sampled and not _greedy(req.sampling):
+            return []  # (sampled drafts hold a third of the time: they pay alone, where extra rows cost ~nothing)
         limit = min(_max_new(req.sampling) - req.num_generated, self.limits.max_context_len - len(req.tokens)) - 1
         draft = req.drafter.draft(req.tokens, limit)
         if not draft:

@@ -76,6 +76,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     speculative_max_ngram: int = 3
     speculative_min_ngram: int = 2
     speculative_max_batch: int = 4
+    speculative_max_batch_sampled: int = 1
     step_timeout: float = 120.0
     threads: int | None = None  # torch's intra-op threads in this scheduler; None: torch's default
     detokenizer: str = "inproc://detokenizer"
@@ -111,13 +112,14 @@ def speculative_config(config: SchedulerConfig, deterministic: bool) -> Speculat
     logits depend on the rows beside it could change the text)."""
     c = config
     spec = SpeculativeConfig(c.speculative, c.speculative_num_draft, c.speculative_max_ngram, c.speculative_min_ngram,
-                             c.speculative_max_batch)
+                             c.speculative_max_batch, c.speculative_max_batch_sampled)
     if spec.enabled and not deterministic:
         log.warning("speculative decoding needs deterministic inference to keep the text: off")
         return SpeculativeConfig()
     if spec.enabled:
-        log.info("speculative decoding: %s drafts of up to %d tokens (%d..%d-grams), while at most %d requests run",
-                 spec.method, spec.num_draft, spec.min_ngram, spec.max_ngram, spec.max_batch)
+        log.info("speculative decoding: %s drafts of up to %d tokens (%d..%d-grams), while at most %d requests run "
+                 "(%d for a sampled one)", spec.method, spec.num_draft, spec.min_ngram, spec.max_ngram, spec.max_batch,
+                 spec.max_batch_sampled)
     return spec
 
 

@@ -40,6 +40,7 @@ def scheduler_config(topology: Topology, detokenizer: str) -> SchedulerConfig:
         deterministic=s.enable_deterministic_inference, speculative=s.speculative,
         speculative_num_draft=s.speculative_num_draft, speculative_max_ngram=s.speculative_max_ngram,
         speculative_min_ngram=s.speculative_min_ngram, speculative_max_batch=s.speculative_max_batch,
+        speculative_max_batch_sampled=s.speculative_max_batch_sampled,
         step_timeout=topology.watchdogs.step_timeout, threads=scheduler_threads(topology),
         detokenizer=detokenizer, tokenizer=tokenizer_source(model), weights_roots=topology.weights_roots(),
     )

@@ -5,6 +5,7 @@ of plain decoding, its KV pages all come back and the prefix cache holds only ac
 import json
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,8 @@ from serving.managers.messages import FinishReason, GenerateReq, SamplingParams
 from serving.managers.radix_cache import RadixCache
 from serving.managers.speculative import MAX_COOLDOWN, Drafter, SpeculativeConfig, propose
 
-NGRAM = SpeculativeConfig("ngram", num_draft=4, max_ngram=3, min_ngram=1, max_batch=8)
+# (sampled requests draft beside others here too: their verification is what the bitwise tests check)
+NGRAM = SpeculativeConfig("ngram", num_draft=4, max_ngram=3, min_ngram=1, max_batch=8, max_batch_sampled=8)
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=7, ignore_eos=True)
 PENALISED = SamplingParams(max_new_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.3,
@@ -73,7 +75,7 @@ def test_the_drafter_follows_a_growing_sequence_and_backs_off_after_misses():
 @pytest.mark.parametrize("field, value, named", [
     ("method", "eagle", "speculative:"), ("num_draft", 0, "speculative_num_draft"),
     ("num_draft", 17, "speculative_num_draft"), ("min_ngram", 4, "speculative_min_ngram"),
-    ("max_batch", 0, "speculative_max_batch"),
+    ("max_batch", 0, "speculative_max_batch"), ("max_batch_sampled", 0, "speculative_max_batch_sampled"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(field, value, named):
     with pytest.raises(ValueError, match=named):
@@ -87,6 +89,7 @@ def test_a_bad_config_is_refused_naming_the_field(field, value, named):
     ("speculative_max_ngram: 9", "scheduler.speculative_max_ngram: must be in 1..8"),
     ("speculative_min_ngram: 4", "scheduler.speculative_min_ngram: must be in 1..scheduler.speculative_max_ngram"),
     ("speculative_max_batch: 0", "scheduler.speculative_max_batch: must be >= 1"),
+    ("speculative_max_batch_sampled: 0", "scheduler.speculative_max_batch_sampled: must be >= 1"),
 ])
 def test_a_bad_topology_value_is_refused_naming_the_field(tmp_path, text, named):
     from serving.runtime.topology import TopologyError, load_topology
@@ -104,13 +107,15 @@ def test_the_flags_reach_the_topology():
 
     args = parser().parse_args(["serve", "--speculative", "ngram", "--speculative-num-draft", "6",
                                 "--speculative-max-ngram", "4", "--speculative-min-ngram", "1",
-                                "--speculative-max-batch", "2"])
+                                "--speculative-max-batch", "2", "--speculative-max-batch-sampled", "2"])
     s = topology_from(args).scheduler
     assert (s.speculative, s.speculative_num_draft, s.speculative_max_ngram, s.speculative_min_ngram,
-            s.speculative_max_batch) == ("ngram", 6, 4, 1, 2)
-    assert topology_from(parser().parse_args(["serve"])).scheduler.speculative == "none"
+            s.speculative_max_batch, s.speculative_max_batch_sampled) == ("ngram", 6, 4, 1, 2, 2)
+    default = topology_from(parser().parse_args(["serve"])).scheduler
+    assert (default.speculative, default.speculative_max_batch, default.speculative_max_batch_sampled) == (
+        "none", 4, 1)
     config = scheduler_config(topology_from(args), "inproc://d")
-    assert speculative_config(config, deterministic=True) == SpeculativeConfig("ngram", 6, 4, 1, 2)
+    assert speculative_config(config, deterministic=True) == SpeculativeConfig("ngram", 6, 4, 1, 2, 2)
     # without deterministic inference a verified draft could change the text: none
     assert speculative_config(config, deterministic=False) == SpeculativeConfig()
 
@@ -300,6 +305,38 @@ def test_no_drafts_while_a_big_batch_runs_nor_for_a_single_token_left(runner):
     for rid in list(state.by_rid):
         state.abort(rid, FinishReason("abort"))
     one.cache.reset()
+    assert_clean(state)
+
+
+class Always:
+    """A drafter that always proposes two tokens (they are verified, and mostly rejected)."""
+
+    def draft(self, tokens, limit):
+        return [5, 6][: max(limit, 0)]
+
+    def verified(self, proposed, accepted):
+        pass
+
+
+def test_a_sampled_request_drafts_only_while_it_runs_alone_and_a_greedy_one_beside_others(runner):
+    state = make_state(runner, SpeculativeConfig("ngram"))  # the defaults: max_batch 4, max_batch_sampled 1
+    ps = prompts(2, seed=9)
+    state.add(req("greedy", ps[0]))
+    state.add(req("sampled", ps[1], msgspec.structs.replace(SEEDED, max_new_tokens=48)))
+    for r in state.by_rid.values():
+        r.drafter = Always()
+    drafted = {"greedy": 0, "sampled": 0}
+    while "greedy" in state.by_rid:  # together: the greedy one drafts, the sampled one does not
+        batch = state.schedule()
+        for r, seq in zip(batch.reqs, batch.seqs, strict=True):
+            drafted[r.rid] += seq.num_draft
+        state.postprocess(batch, runner.step(batch.seqs))
+    assert drafted["greedy"] > 0 and drafted["sampled"] == 0
+    while not state.idle:  # alone, it drafts
+        batch = state.schedule()
+        drafted["sampled"] += sum(s.num_draft for s in batch.seqs)
+        state.postprocess(batch, runner.step(batch.seqs))
+    assert drafted["sampled"] > 0
     assert_clean(state)
 
 
