@@ -28,8 +28,8 @@ import trio
 
 from transports import AddressError, DropCounter, Hub, Sender
 
-from ._errors import CallTimeout
-from .actor import Caller, Pulse, Reply
+from ._errors import CallError, CallTimeout
+from .actor import MAX_PEERS, Caller, Pulse, Reply
 
 __all__ = ["HeartbeatLost", "Monitor", "PeerRestarted", "RemoteChild"]
 
@@ -79,6 +79,9 @@ class Monitor:
         whose answer says nothing); CallTimeout when no answer came within ``timeout``."""
         sender = self._senders.get(address)
         if sender is None:
+            if len(self._senders) >= MAX_PEERS:  # (peers that moved: the oldest address goes)
+                with trio.CancelScope(shield=True):
+                    await self._senders.pop(next(iter(self._senders))).aclose()
             try:
                 sender = self._senders[address] = await self.hub.connect(address)
             except (AddressError, OSError) as exc:  # (a name that does not resolve yet: a pod not up)
@@ -122,8 +125,8 @@ class RemoteChild:
         while True:  # ready once the peer serves
             try:
                 pulse = await self._beat()
-            except CallTimeout:
-                log.info("waiting for %s to answer a heartbeat", self.address)
+            except CallError as exc:  # (no answer, or one that is no Pulse: a peer of another kind)
+                log.info("waiting for %s to answer a heartbeat: %s", self.address, exc)
             else:
                 if pulse is None or (pulse.ready and pulse.boot not in self.shun):
                     break
@@ -136,6 +139,8 @@ class RemoteChild:
                 pulse = await self._beat()
             except CallTimeout:
                 raise HeartbeatLost(f"{self.address} missed its heartbeat deadline ({self.timeout:g} s)") from None
+            except CallError as exc:
+                raise HeartbeatLost(f"{self.address} answered its heartbeat with no pulse: {exc}") from None
             if pulse is not None and pulse.boot != self.boot:
                 raise PeerRestarted(f"{self.address} restarted (it answers from another start)")
             self.answered += 1

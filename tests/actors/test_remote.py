@@ -130,6 +130,20 @@ async def test_a_peer_of_an_earlier_build_answering_an_empty_reply_is_watched_wi
         nursery.cancel_scope.cancel()
 
 
+async def test_a_peer_answering_something_else_than_a_pulse_is_waited_for_not_restarted_in_a_loop(autojump_clock):
+    async with open_harness() as h, trio.open_nursery() as nursery:
+        async def stranger():  # answers heartbeats, but not with a Pulse
+            async with await h.hub.bind("inproc://stranger", Heartbeat) as inbox:
+                async for beat in inbox:
+                    await h.send(beat.reply_to, Reply(beat.id, "hello"))
+
+        nursery.start_soon(stranger)
+        await watch(h, "inproc://stranger")
+        await trio.sleep(30.0)
+        assert h.count("started", "peer-link") == 0 and h.count("crashed", "peer-link") == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_heartbeats_over_tcp(tcp_address):
     peer_address, reply_to = tcp_address(), tcp_address()
     async with open_harness() as h:
