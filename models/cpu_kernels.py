@@ -15,7 +15,10 @@
   block codes (Q4_1, Q4_0, Q8_0 dequantized at load), kept as GGUF keeps them (4-bit codes two a
   byte, Q8_0's one a byte, fp16 d and m): Q4_1 reads 0.625 bytes a weight, a sixth of the panels';
 - `pack_bf16_weight` / `bf16_linear`: bf16 projections with AVX512_BF16's vdpbf16ps (CPUs that have
-  it, `bf16_linear_available`), fp32 sums, batch-invariant.
+  it, `bf16_linear_available`), fp32 sums, batch-invariant;
+- `pack_bf16_block_codes` / `bf16_block_linear`: the same products for a bf16 model whose fp32
+  weights are exactly GGUF block codes, each weight rounded to bf16 as the kernel goes:
+  `bf16_linear`'s bits over the weights in bf16, at every number of rows, from the codes' bytes.
 
 The vector code is written once over `csrc/vec.h` (AVX-512 or AVX2 + FMA + F16C); other
 CPUs get the portable scalar paths.
@@ -261,6 +264,55 @@ def bf16_linear(x, packed, out_features: int, bias=None):
     fp32 sum over the k pairs in order (vdpbf16ps), the bias added in fp32, rounded to bf16 once; a row's
     bits do not depend on the batch. Raises where `bf16_linear_available()` is False."""
     return torch.ops.tercet.bf16_linear(x, packed, out_features, bias)
+
+
+def pack_bf16_block_codes(weight):
+    """`pack_block_codes(weight)` for `bf16_block_linear`, or []: the same scales and offsets, and
+    each pair of k (2i, 2i + 1) of a panel's codes in the order vdpbf16ps takes the bf16 weights,
+    as 32 lanes: columns 0-7 then 8-15, lane j column j // 2 (+ 8) at k = 2i + j % 2. Nibbles
+    [P, K/2, 16]: lane j of the first half in byte j's low nibble, of the second in its high one;
+    bytes [P, K, 16]: the two halves one after the other."""
+    found = pack_block_codes(weight)
+    return [bf16_pair_order(found[0], weight.shape[1]), *found[1:]] if found else []
+
+
+def bf16_pair_order(codes, k: int):
+    """`pack_block_codes`' codes (any of its layouts) in `pack_bf16_block_codes`' order, the same dtype and shape."""
+    q = codes if codes.shape[1] == k else _nibbles(codes)  # [P, K, 16]
+    lanes = q.view(len(q), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(len(q), k // 2, 2, 16)
+    if codes.shape[1] == k:
+        return lanes.reshape(codes.shape).contiguous()
+    return ((lanes[:, :, 0] & 15) | ((lanes[:, :, 1] & 15) << 4)).to(torch.uint8).view(codes.dtype)
+
+
+def bf16_block_codes_dense(codes, k: int):
+    """The codes of `pack_bf16_block_codes` back in `pack_block_codes`' order, one int a code [P, K, 16]."""
+    if codes.shape[1] == k:
+        lanes = codes.view(len(codes), k // 2, 2, 16)
+    else:
+        lanes = torch.stack(_nibble_halves(codes), dim=2)  # [P, K/2, 2, 16]
+    return lanes.view(len(codes), k // 2, 2, 8, 2).permute(0, 1, 4, 2, 3).reshape(len(codes), k, 16)
+
+
+def _nibble_halves(codes):
+    """Bytes of two 4-bit codes -> (low nibbles, high nibbles) as ints (int8 codes: -8..7)."""
+    wide = codes.int()
+    low, high = wide & 15, (wide >> 4) & 15
+    if codes.dtype == torch.int8:  # two's complement nibbles
+        low, high = (low ^ 8) - 8, (high ^ 8) - 8
+    return low, high
+
+
+def _nibbles(codes):
+    """pack_block_codes' nibbles [P, K/2, 16] -> one int a code [P, K, 16] (k = 2i low, 2i + 1 high)."""
+    return torch.stack(_nibble_halves(codes), dim=2).flatten(1, 2)
+
+
+def bf16_block_linear(x, codes, scales, offsets, out_features: int, bias=None):
+    """`bf16_linear` over fp32 weights kept as block codes (`pack_bf16_block_codes`): bf16 x
+    [M, K] -> bf16 [M, out_features] with the bits of `bf16_linear(x, pack_bf16_weight(w.bfloat16()), ...)`
+    for the weights w the codes hold, whatever M. Raises where `bf16_linear_available()` is False."""
+    return torch.ops.tercet.bf16_block_linear(x, codes, scales, offsets, out_features, bias)
 
 
 def bf16_linear_available() -> bool:

@@ -31,16 +31,19 @@ class _Weights:
     def __init__(self, state_dict: dict[str, torch.Tensor], dtype, device) -> None:
         self._sd, self._dtype, self._device = state_dict, dtype, device
 
-    def get(self, name: str, required: bool = True) -> torch.Tensor | None:
+    def get(self, name: str, required: bool = True, stored: bool = False) -> torch.Tensor | None:
+        """The weight in the model dtype; `stored`: in fp32 where the checkpoint holds it so (a
+        projection's weight, whose block codes `Linear` finds before rounding it to the model dtype)."""
         tensor = self._sd.get(name)
         if tensor is None:
             if required:
                 raise ModelLoadError(f"weight {name!r} missing from the checkpoint")
             return None
-        return tensor.to(device=self._device, dtype=self._dtype).contiguous()
+        dtype = torch.float32 if stored and tensor.dtype == torch.float32 else self._dtype
+        return tensor.to(device=self._device, dtype=dtype).contiguous()
 
-    def cat(self, names: list[str], required: bool = True) -> torch.Tensor | None:
-        parts = [self.get(name, required) for name in names]
+    def cat(self, names: list[str], required: bool = True, stored: bool = False) -> torch.Tensor | None:
+        parts = [self.get(name, required, stored) for name in names]
         return None if any(p is None for p in parts) else torch.cat(parts).contiguous()
 
 
@@ -155,11 +158,13 @@ class _Layer:
             keep = keep and (not model.invariant
                              or probes.onednn_invariant(weight.dtype, weight.device, True, tuple(weight.shape)))
             model.dense_budget -= size if keep else 0
-            return Linear(weight, bias, pack, keep_dense=keep, kernel=model.kernel, codes=model.codes)
+            return Linear(weight, bias, pack, keep_dense=keep, kernel=model.kernel, codes=model.codes,
+                          dtype=model.dtype)
 
-        self.qkv = linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"]),
+        stored = model.codes  # the projections' weights as stored: Linear looks for block codes in them
+        self.qkv = linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"], stored=stored),
                           w.cat([f"{a}.{p}_proj.bias" for p in "qkv"], required=False))
-        self.o = linear(w.get(f"{a}.o_proj.weight"), w.get(f"{a}.o_proj.bias", required=False))
+        self.o = linear(w.get(f"{a}.o_proj.weight", stored=stored), w.get(f"{a}.o_proj.bias", required=False))
         self.qk_norm = family.qk_norm
         self.q_norm = self.k_norm = None
         if family.qk_norm is not None:
@@ -171,8 +176,8 @@ class _Layer:
         act = _act_mul(families.activation_of(config), model.invariant, model.fused)
         mlp = family.mlp(w.get, m, config, index, linear, act) if family.mlp is not None else None
         if mlp is None:
-            mlp = _DenseMLP(linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"])),
-                            linear(w.get(f"{m}.down_proj.weight")), act)
+            mlp = _DenseMLP(linear(w.cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], stored=stored)),
+                            linear(w.get(f"{m}.down_proj.weight", stored=stored)), act)
         self.mlp = mlp
 
     @property
@@ -270,9 +275,11 @@ class CausalLM:
                              and all(layer.rope == "default" for layer in self.layers))
         self.windowed = [i for i, layer in enumerate(self.layers) if layer.window or layer.softcap]
         self._fallback_logged = False  # (`_log_fallback`)
-        head = w.get("lm_head.weight", required=False)
+        head = w.get("lm_head.weight", required=False, stored=self.codes)
+        if head is None and self.codes:  # tied embeddings: the head's codes in the stored embedding
+            head = w.get("model.embed_tokens.weight", stored=True)
         self.lm_head = Linear(self.embed if head is None else head, None, self.packed,  # tied embeddings
-                              kernel=self.kernel, codes=self.codes)
+                              kernel=self.kernel, codes=self.codes, dtype=dtype)
         if invariant:
             self._make_invariant()
 

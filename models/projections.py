@@ -7,7 +7,10 @@
 - `BlockCodeLinear`: the same kernel over a W that is exactly GGUF block codes, kept as GGUF keeps
   them (4-bit codes two a byte, fp16 d and m per block, `cpu_kernels.block_linear`): the panels'
   bits, a sixth of the bytes for Q4_1;
-- `Bf16PanelLinear`: tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`).
+- `Bf16PanelLinear`: tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`);
+- `Bf16BlockCodeLinear`: the bf16 kernel over fp32 weights that are exactly GGUF block codes
+  (`cpu_kernels.bf16_block_linear`), each weight rounded to bf16 as it goes: the bf16 panels' bits
+  at every number of rows, 0.625 bytes a weight for Q4_1 instead of 2.
 
 `Linear(...)` picks the class. Which storage pays on a machine is timed at start-up in
 `probes.py`; why, with the figures measured, is in docs/cpu-performance.md.
@@ -160,6 +163,21 @@ class Bf16PanelLinear(Projection):
         return cpu_kernels.bf16_linear(x, self.panels, self.out_features, bias)
 
 
+class Bf16BlockCodeLinear(BlockCodeLinear):
+    """tercet's bf16 kernel over fp32 weights kept as GGUF block codes (`codes` from
+    `cpu_kernels.pack_bf16_block_codes`): each weight float(q) * d + m rebuilt in fp32 and rounded to
+    bf16 as `Bf16PanelLinear`'s panels of the same weights hold it, multiplied by the same vdpbf16ps
+    in the same order: that class's bits at every number of rows, so invariant by itself."""
+
+    def dense(self) -> torch.Tensor:
+        codes, scales, offsets = self.codes
+        return BlockCodeLinear([cpu_kernels.bf16_block_codes_dense(codes, self.shape[1]), scales, offsets],
+                               self.out_features).dense().to(torch.bfloat16)
+
+    def _product(self, x, bias):
+        return cpu_kernels.bf16_block_linear(x, *self.codes, self.out_features, bias)
+
+
 def _unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:
     """Block codes as `pack_block_codes` keeps them -> one int per code [P, K, 16]: two a byte
     (k = 2i low nibble, 2i + 1 high; uint8 0..15, int8 -8..7) where they have K / 2 rows."""
@@ -178,12 +196,18 @@ def _unpanel(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def Linear(weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,  # noqa: N802 - a factory
-           keep_dense: bool = False, kernel: bool = False, codes: bool = False) -> Projection:
-    """The projection for W: tercet's kernel (`kernel`: bf16 panels for a bf16 W; for fp32 block
-    codes with `codes` where W is exactly such codes, else fp32 panels), oneDNN's prepacked W
-    (`packed`, the plain W kept too with `keep_dense`), or W as it is."""
-    if kernel and weight.dtype == torch.bfloat16:
-        return Bf16PanelLinear(weight, bias)
+           keep_dense: bool = False, kernel: bool = False, codes: bool = False,
+           dtype: torch.dtype | None = None) -> Projection:
+    """The projection for W in `dtype` (default W's): tercet's kernel (`kernel`: with `codes`, block
+    codes where W is exactly such codes, in bf16 or fp32, else bf16 or fp32 panels), oneDNN's
+    prepacked W (`packed`, the plain W kept too with `keep_dense`), or W as it is. An fp32 W for a
+    bf16 projection is the weight as stored (a GGUF's, dequantized): its codes are found in it, before
+    it is rounded to bf16."""
+    dtype = weight.dtype if dtype is None else dtype
+    if kernel and dtype == torch.bfloat16:
+        found = cpu_kernels.pack_bf16_block_codes(weight) if codes and weight.dtype == torch.float32 else []
+        return Bf16BlockCodeLinear(found, weight.shape[0], bias) if found else Bf16PanelLinear(weight.to(dtype), bias)
+    weight = weight.to(dtype)
     if kernel:
         found = cpu_kernels.pack_block_codes(weight) if codes else []  # [] where W is not exactly codes
         return BlockCodeLinear(found, weight.shape[0], bias) if found else PanelLinear(weight, bias)
