@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import cpu_kernels, families, invariant, probes
 from .attention import AttentionPlan, attend
 from .errors import ModelLoadError
-from .projections import Linear
+from .projections import Bf16BlockCodeLinear, Linear
 from .rotary import RotaryTable
 from .split_attention import tanh_cap
 
@@ -47,9 +47,10 @@ class _Weights:
         return None if any(p is None for p in parts) else torch.cat(parts).contiguous()
 
 
-# at most this much memory for the plain copies beside prepacked weights (PackedLinear's keep_dense),
-# per model: SmolLM2-135M's o/down projections take 73 MB; a 7B model's would take 3.4 GB, so its
-# first layers get them and the rest stay packed only
+# at most this much memory for second copies of weights, per model: the plain W beside prepacked
+# weights (PackedLinear's keep_dense: SmolLM2-135M's o/down projections take 73 MB; a 7B model's would
+# take 3.4 GB, so its first layers get them and the rest stay packed only) and the bf16 panels beside
+# block codes (Bf16BlockCodeLinear: SmolLM2-135M's all take 270 MB; past the budget, codes alone)
 DENSE_BUDGET_BYTES = 512 << 20
 
 
@@ -152,6 +153,8 @@ class _Layer:
         pack = model.packed
 
         def linear(weight, bias=None):
+            if model.codes and model.dtype == torch.bfloat16:
+                return model.bf16_code_linear(weight, bias)
             size = weight.numel() * weight.element_size()
             keep = pack and size <= model.dense_budget and probes.dense_pays(weight.dtype, weight.device,
                                                                              tuple(weight.shape))
@@ -254,7 +257,7 @@ class CausalLM:
         # with the kernel, weights that are exactly block codes (a GGUF's Q4_1 / Q8_0, dequantized) are
         # kept so: the same products, a third of the bytes (Linear; batch 1 32.8 -> 50.4 tok/s here)
         self.codes = self.kernel and (codes is None or codes)
-        self.dense_budget = DENSE_BUDGET_BYTES  # what plain copies beside packed weights may take (Linear)
+        self.dense_budget = DENSE_BUDGET_BYTES  # what second copies of weights may take (Linear)
         if family.weights is not None:
             state_dict = family.weights(state_dict, config)
         w = _Weights(state_dict, dtype, self.device)
@@ -278,10 +281,36 @@ class CausalLM:
         head = w.get("lm_head.weight", required=False, stored=self.codes)
         if head is None and self.codes:  # tied embeddings: the head's codes in the stored embedding
             head = w.get("model.embed_tokens.weight", stored=True)
-        self.lm_head = Linear(self.embed if head is None else head, None, self.packed,  # tied embeddings
-                              kernel=self.kernel, codes=self.codes, dtype=dtype)
+        head = self.embed if head is None else head  # (tied embeddings)
+        self.lm_head = (self.bf16_code_linear(head) if self.codes and dtype == torch.bfloat16
+                        else Linear(head, None, self.packed, kernel=self.kernel, codes=self.codes, dtype=dtype))
+        self._share_code_rows()
         if invariant:
             self._make_invariant()
+
+    def bf16_code_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        """A bf16 projection of W as stored: block codes where W is exactly such codes, their bf16
+        panels kept beside them while `dense_budget` lasts (products of many rows: `_share_code_rows`),
+        else bf16 panels."""
+        keep = weight.numel() * 2 <= self.dense_budget
+        lin = Linear(weight, bias, keep_dense=keep, kernel=True, codes=True, dtype=self.dtype)
+        if isinstance(lin, Bf16BlockCodeLinear) and lin.panels is not None:
+            self.dense_budget -= lin.panels.numel() * lin.panels.element_size()
+        return lin
+
+    def _share_code_rows(self) -> None:
+        """bf16 block codes with their panels beside them: the codes serve products of up to the
+        rows where they are not slower on this machine (`probes.bf16_code_rows`, timed on these
+        projections), the panels more; codes never slower: the panels are dropped. The same bits
+        either way, so the timing may choose (in the deterministic mode too)."""
+        coded = [lin for lin in self.projections() if isinstance(lin, Bf16BlockCodeLinear) and lin.panels is not None]
+        if not coded:
+            return
+        rows = probes.bf16_code_rows(coded)
+        for lin in coded:
+            lin.serve_codes_up_to(rows)
+        log.info("bf16 block codes serve %s (%d projections)", "every product" if rows is None else
+                 f"products of up to {rows} rows, their bf16 panels more", len(coded))
 
     def _make_invariant(self) -> None:
         """tercet's kernel is invariant as it is; oneDNN's prepacked products are where this machine

@@ -88,6 +88,33 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576), tim
     return serves
 
 
+# Row counts at which `bf16_code_rows` compares the codes with the panels, in order
+CODE_ROWS = (1, 2, 4, 8, 16, 32)
+
+
+def bf16_code_rows(linears) -> int | None:
+    """Up to how many rows bf16 block codes serve (`Bf16BlockCodeLinear` with its panels beside):
+    the last of CODE_ROWS before the first where a pass over `linears` (the model's own projections:
+    their real bytes, as a decode step reads them) from the codes is slower than from the panels;
+    None where the codes are never slower (they serve every product). Codes and panels give the
+    same bits, so noise here moves only the speed. Timed at load, best of 2 passes."""
+    generator = torch.Generator().manual_seed(0)
+    widths = sorted({lin.shape[1] for lin in linears})
+    served = 0
+    for rows in CODE_ROWS:
+        xs = {k: torch.randn(rows, k, generator=generator).to(torch.bfloat16) for k in widths}
+        codes, panels = _best_seconds(
+            lambda: [cpu_kernels.bf16_block_linear(xs[lin.shape[1]], *lin.codes, lin.out_features) for lin in linears],
+            lambda: [cpu_kernels.bf16_linear(xs[lin.shape[1]], lin.panels, lin.out_features) for lin in linears],
+            rounds=2)
+        log.info("bf16 block codes at %d rows: %.2f ms vs %.2f ms for the panels, over %d projections", rows,
+                 codes * 1e3, panels * 1e3, len(linears))
+        if codes > panels:
+            return served
+        served = rows
+    return None
+
+
 def _close_product(ours: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """fp32: `_same_product` with F.linear; bf16: within one bf16 rounding of the fp32 product."""
     if ours.dtype == torch.float32:

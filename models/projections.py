@@ -167,7 +167,26 @@ class Bf16BlockCodeLinear(BlockCodeLinear):
     """tercet's bf16 kernel over fp32 weights kept as GGUF block codes (`codes` from
     `cpu_kernels.pack_bf16_block_codes`): each weight float(q) * d + m rebuilt in fp32 and rounded to
     bf16 as `Bf16PanelLinear`'s panels of the same weights hold it, multiplied by the same vdpbf16ps
-    in the same order: that class's bits at every number of rows, so invariant by itself."""
+    in the same order: that class's bits at every number of rows, so invariant by itself.
+
+    With `panels` (those panels, kept too), products of more than `code_rows` rows go through them:
+    where many rows share each weight read, plain loads beat rebuilding weights (`serve_codes_up_to`,
+    chosen by `probes.bf16_code_rows`); whichever serves, the bits are the same."""
+
+    def __init__(self, codes: list[torch.Tensor], out_features: int, bias: torch.Tensor | None = None,
+                 panels: torch.Tensor | None = None) -> None:
+        super().__init__(codes, out_features, bias)
+        self.panels = panels
+        self.code_rows: int | None = None  # None: every product from the codes
+
+    def serve_codes_up_to(self, rows: int | None) -> None:
+        """Products of up to `rows` rows from the codes, more from the panels; None: every product
+        from the codes (the panels are dropped)."""
+        if rows is not None and self.panels is None:
+            raise ValueError("no panels kept beside these codes")
+        self.code_rows = rows
+        if rows is None:
+            self.panels = None
 
     def dense(self) -> torch.Tensor:
         codes, scales, offsets = self.codes
@@ -175,6 +194,8 @@ class Bf16BlockCodeLinear(BlockCodeLinear):
                                self.out_features).dense().to(torch.bfloat16)
 
     def _product(self, x, bias):
+        if self.code_rows is not None and x.shape[0] > self.code_rows:
+            return cpu_kernels.bf16_linear(x, self.panels, self.out_features, bias)
         return cpu_kernels.bf16_block_linear(x, *self.codes, self.out_features, bias)
 
 
@@ -202,11 +223,15 @@ def Linear(weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool 
     codes where W is exactly such codes, in bf16 or fp32, else bf16 or fp32 panels), oneDNN's
     prepacked W (`packed`, the plain W kept too with `keep_dense`), or W as it is. An fp32 W for a
     bf16 projection is the weight as stored (a GGUF's, dequantized): its codes are found in it, before
-    it is rounded to bf16."""
+    it is rounded to bf16; with `keep_dense`, the bf16 panels are kept beside them (for products of
+    many rows, `Bf16BlockCodeLinear`)."""
     dtype = weight.dtype if dtype is None else dtype
     if kernel and dtype == torch.bfloat16:
         found = cpu_kernels.pack_bf16_block_codes(weight) if codes and weight.dtype == torch.float32 else []
-        return Bf16BlockCodeLinear(found, weight.shape[0], bias) if found else Bf16PanelLinear(weight.to(dtype), bias)
+        if not found:
+            return Bf16PanelLinear(weight.to(dtype), bias)
+        panels = cpu_kernels.pack_bf16_weight(weight.to(dtype)) if keep_dense else None
+        return Bf16BlockCodeLinear(found, weight.shape[0], bias, panels)
     weight = weight.to(dtype)
     if kernel:
         found = cpu_kernels.pack_block_codes(weight) if codes else []  # [] where W is not exactly codes

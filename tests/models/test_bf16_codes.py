@@ -176,11 +176,13 @@ def test_bf16_block_linear_refuses_what_does_not_fit(bf16):
         cpu_kernels.bf16_block_linear(x, codes, scales, offsets, 40, torch.zeros(39))
 
 
+@pytest.mark.parametrize("code_rows", [None, 2])
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
-def test_a_bf16_model_on_codes_has_the_logits_of_its_bf16_panels(bf16, tiny_llama, kind, monkeypatch):
+def test_a_bf16_model_on_codes_has_the_logits_of_its_bf16_panels(bf16, tiny_llama, kind, code_rows, monkeypatch):
     """The tiny model's projections quantized as llama.cpp would (the LM head Q8_0), served in bf16: the
-    runner keeps them as codes and its logits are bitwise those of the bf16 panels (the kernel pinned:
-    whether it pays on this machine is not the question here)."""
+    runner keeps them as codes and its logits are bitwise those of the bf16 panels, with the codes
+    serving every product or up to 2 rows (the kernel and the probe pinned: what pays on this machine
+    is not the question here)."""
     from gguf import GGMLQuantizationType, quants
 
     def requantize(name, tensor):
@@ -191,10 +193,12 @@ def test_a_bf16_model_on_codes_has_the_logits_of_its_bf16_panels(bf16, tiny_llam
 
     loaded = dataclasses.replace(tiny_llama, state_dict={n: requantize(n, t) for n, t in tiny_llama.state_dict.items()})
     monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    monkeypatch.setattr(probes, "bf16_code_rows", lambda linears: code_rows)
     runner = ModelRunner(loaded, dtype=torch.bfloat16)
     assert runner.deterministic and runner.model.kernel
     projections = runner.model.projections()
     assert all(isinstance(lin, Bf16BlockCodeLinear) for lin in projections)
+    assert all(lin.code_rows == code_rows and (lin.panels is None) == (code_rows is None) for lin in projections)
     assert [lin.codes[0].dtype for lin in projections] == [LAYOUT[kind][0]] * (len(projections) - 1) + [torch.int8]
     reference = ModelRunner(loaded, dtype=torch.bfloat16)
     reference.model = CausalLM(loaded.config, loaded.state_dict, torch.bfloat16, torch.device("cpu"), kernel=True,
@@ -207,3 +211,34 @@ def test_a_bf16_model_on_codes_has_the_logits_of_its_bf16_panels(bf16, tiny_llam
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     one = [SeqInput([7], [300])]  # and a one-row batch (the direct path at every projection)
     assert torch.equal(runner.logits(one, [0])[0], reference.logits(one, [0])[0])
+
+
+def test_the_panels_beside_the_codes_serve_products_past_code_rows_with_the_same_bits(bf16, monkeypatch):
+    weight, bias = quantized(40, 96, "q4_1"), torch.randn(40, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(12, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    both = Linear(weight, bias, keep_dense=True, kernel=True, codes=True, dtype=torch.bfloat16)
+    alone = Linear(weight, bias, kernel=True, dtype=torch.bfloat16)
+    assert isinstance(both, Bf16BlockCodeLinear) and both.panels is not None and both.code_rows is None
+    from_codes = []
+    block_linear = cpu_kernels.bf16_block_linear
+    monkeypatch.setattr(cpu_kernels, "bf16_block_linear", lambda x, *a: from_codes.append(len(x)) or block_linear(x, *a))
+    both.serve_codes_up_to(3)
+    for rows in range(1, 13):
+        assert torch.equal(both(x[:rows]), alone(x[:rows]))
+    assert from_codes == [1, 2, 3]
+    both.serve_codes_up_to(None)  # codes for every product: the panels go
+    assert both.panels is None and torch.equal(both(x), alone(x)) and from_codes[-1] == 12
+    with pytest.raises(ValueError, match="no panels"):
+        both.serve_codes_up_to(3)
+
+
+def test_the_probe_picks_the_rows_before_the_codes_are_slower(bf16, monkeypatch):
+    lins = [Linear(quantized(40, 96, "q8_0"), keep_dense=True, kernel=True, codes=True, dtype=torch.bfloat16)]
+    times = iter([[1.0, 2.0], [1.0, 1.0], [3.0, 2.0]])  # codes faster at 1 row, even at 2, slower at 4
+    monkeypatch.setattr(probes, "_best_seconds", lambda *calls, rounds: next(times))
+    assert probes.bf16_code_rows(lins) == 2
+    monkeypatch.setattr(probes, "_best_seconds", lambda *calls, rounds: [1.0, 2.0])
+    assert probes.bf16_code_rows(lins) is None
+    monkeypatch.undo()
+    rows = probes.bf16_code_rows(lins)  # timed for real: one of the row counts, or None
+    assert rows is None or rows in (0, *probes.CODE_ROWS)
