@@ -278,11 +278,12 @@ def pack_bf16_block_codes(weight):
 
 def bf16_pair_order(codes, k: int):
     """`pack_block_codes`' codes (any of its layouts) in `pack_bf16_block_codes`' order, the same dtype and shape."""
-    q = codes if codes.shape[1] == k else _nibbles(codes)  # [P, K, 16]
-    lanes = q.view(len(q), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(len(q), k // 2, 2, 16)
-    if codes.shape[1] == k:
-        return lanes.reshape(codes.shape).contiguous()
-    return ((lanes[:, :, 0] & 15) | ((lanes[:, :, 1] & 15) << 4)).to(torch.uint8).view(codes.dtype)
+    if codes.shape[1] == k:  # one a byte: the bytes moved
+        return codes.view(len(codes), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(codes.shape).contiguous()
+    raw = codes.view(torch.uint8)  # two a byte: the 4-bit fields moved as they are (a sign stays in its nibble)
+    fields = torch.stack([raw & 15, raw >> 4], dim=2).flatten(1, 2)  # [P, K, 16]: k = 2i low, 2i + 1 high
+    lanes = fields.view(len(raw), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(len(raw), k // 2, 2, 16)
+    return (lanes[:, :, 0] | (lanes[:, :, 1] << 4)).view(codes.dtype)
 
 
 def bf16_block_codes_dense(codes, k: int):
@@ -302,10 +303,6 @@ def _nibble_halves(codes):
         low, high = (low ^ 8) - 8, (high ^ 8) - 8
     return low, high
 
-
-def _nibbles(codes):
-    """pack_block_codes' nibbles [P, K/2, 16] -> one int a code [P, K, 16] (k = 2i low, 2i + 1 high)."""
-    return torch.stack(_nibble_halves(codes), dim=2).flatten(1, 2)
 
 
 def bf16_block_linear(x, codes, scales, offsets, out_features: int, bias=None):
