@@ -128,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--speculative-min-ngram", type=int, help="the shortest suffix looked up (default 2)")
     serve_p.add_argument("--speculative-max-batch", type=int, help="no drafts while more requests run (default 4)")
     serve_p.add_argument("--speculative-max-batch-sampled", type=int,
-                         help="...for a sampled request (default 1: it drafts while it runs alone)")
+                         help="...for a sampled request (default 0: sampled requests do not draft)")
     serve_p.add_argument("--log-level", default="info")
     replica_p = sub.add_parser("replica", help="run one replica of a topology whose replicas are remote "
                                "(a Kubernetes pod, a host of its own): its scheduler and detokenizer")

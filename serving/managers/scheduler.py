@@ -76,7 +76,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     speculative_max_ngram: int = 3
     speculative_min_ngram: int = 2
     speculative_max_batch: int = 4
-    speculative_max_batch_sampled: int = 1
+    speculative_max_batch_sampled: int = 0
     step_timeout: float = 120.0
     threads: int | None = None  # torch's intra-op threads in this scheduler; None: torch's default
     detokenizer: str = "inproc://detokenizer"
@@ -114,7 +114,7 @@ def speculative_config(config: SchedulerConfig, deterministic: bool) -> Speculat
     spec = SpeculativeConfig(c.speculative, c.speculative_num_draft, c.speculative_max_ngram, c.speculative_min_ngram,
                              c.speculative_max_batch, c.speculative_max_batch_sampled)
     if spec.enabled and not deterministic:
-        log.warning("speculative decoding needs deterministic inference to keep the text: off")
+        log.info("speculative decoding is off: it needs deterministic inference to keep the text")
         return SpeculativeConfig()
     if spec.enabled:
         log.info("speculative decoding: %s drafts of up to %d tokens (%d..%d-grams), while at most %d requests run "

@@ -97,13 +97,13 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     # speculative decoding without a draft model (docs/speculative.md): "ngram" drafts a running request's
     # next tokens from its own prompt and output and verifies them in its decode step, the text unchanged
     # (it needs deterministic inference; off without it); "none": one token a step
-    speculative: Literal["none", "ngram"] = "none"
+    speculative: Literal["none", "ngram"] = "ngram"
     speculative_num_draft: int = 4  # draft tokens a request verifies per step, at most
     speculative_max_ngram: int = 3  # the longest suffix of a request looked up in its tokens
     speculative_min_ngram: int = 2  # the shortest
     speculative_max_batch: int = 4  # no drafts while more requests than this run (a larger batch is compute-bound)
-    # ...for a sampled request (temperature > 0: its drafts hold less often): 1, while it runs alone
-    speculative_max_batch_sampled: int = 1
+    # ...for a sampled request (temperature > 0: its drafts hold less often and were measured to cost): 0, never
+    speculative_max_batch_sampled: int = 0
     # torch threads per scheduler; default: torch's (one per core), divided among the replicas run on
     # this host (two schedulers spinning two threads each on two cores run several times slower)
     threads: int | None = None
@@ -213,8 +213,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
             (1 <= self.scheduler.speculative_min_ngram <= self.scheduler.speculative_max_ngram,
              "scheduler.speculative_min_ngram", "must be in 1..scheduler.speculative_max_ngram"),
             (self.scheduler.speculative_max_batch >= 1, "scheduler.speculative_max_batch", "must be >= 1"),
-            (self.scheduler.speculative_max_batch_sampled >= 1, "scheduler.speculative_max_batch_sampled",
-             "must be >= 1"),
+            (self.scheduler.speculative_max_batch_sampled >= 0, "scheduler.speculative_max_batch_sampled",
+             "must be >= 0"),
             (1 <= self.scheduler.replicas <= 64, "scheduler.replicas", "must be in 1..64"),
             (self.scheduler.threads is None or 1 <= self.scheduler.threads <= 1024, "scheduler.threads",
              "must be in 1..1024 (or null: by the cores)"),

@@ -75,7 +75,7 @@ def test_the_drafter_follows_a_growing_sequence_and_backs_off_after_misses():
 @pytest.mark.parametrize("field, value, named", [
     ("method", "eagle", "speculative:"), ("num_draft", 0, "speculative_num_draft"),
     ("num_draft", 17, "speculative_num_draft"), ("min_ngram", 4, "speculative_min_ngram"),
-    ("max_batch", 0, "speculative_max_batch"), ("max_batch_sampled", 0, "speculative_max_batch_sampled"),
+    ("max_batch", 0, "speculative_max_batch"), ("max_batch_sampled", -1, "speculative_max_batch_sampled"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(field, value, named):
     with pytest.raises(ValueError, match=named):
@@ -89,7 +89,7 @@ def test_a_bad_config_is_refused_naming_the_field(field, value, named):
     ("speculative_max_ngram: 9", "scheduler.speculative_max_ngram: must be in 1..8"),
     ("speculative_min_ngram: 4", "scheduler.speculative_min_ngram: must be in 1..scheduler.speculative_max_ngram"),
     ("speculative_max_batch: 0", "scheduler.speculative_max_batch: must be >= 1"),
-    ("speculative_max_batch_sampled: 0", "scheduler.speculative_max_batch_sampled: must be >= 1"),
+    ("speculative_max_batch_sampled: -1", "scheduler.speculative_max_batch_sampled: must be >= 0"),
 ])
 def test_a_bad_topology_value_is_refused_naming_the_field(tmp_path, text, named):
     from serving.runtime.topology import TopologyError, load_topology
@@ -113,7 +113,7 @@ def test_the_flags_reach_the_topology():
             s.speculative_max_batch, s.speculative_max_batch_sampled) == ("ngram", 6, 4, 1, 2, 2)
     default = topology_from(parser().parse_args(["serve"])).scheduler
     assert (default.speculative, default.speculative_max_batch, default.speculative_max_batch_sampled) == (
-        "none", 4, 1)
+        "ngram", 4, 0)
     config = scheduler_config(topology_from(args), "inproc://d")
     assert speculative_config(config, deterministic=True) == SpeculativeConfig("ngram", 6, 4, 1, 2, 2)
     # without deterministic inference a verified draft could change the text: none
@@ -319,7 +319,7 @@ class Always:
 
 
 def test_a_sampled_request_drafts_only_while_it_runs_alone_and_a_greedy_one_beside_others(runner):
-    state = make_state(runner, SpeculativeConfig("ngram"))  # the defaults: max_batch 4, max_batch_sampled 1
+    state = make_state(runner, SpeculativeConfig("ngram", max_batch_sampled=1))
     ps = prompts(2, seed=9)
     state.add(req("greedy", ps[0]))
     state.add(req("sampled", ps[1], msgspec.structs.replace(SEEDED, max_new_tokens=48)))
@@ -338,6 +338,14 @@ def test_a_sampled_request_drafts_only_while_it_runs_alone_and_a_greedy_one_besi
         state.postprocess(batch, runner.step(batch.seqs))
     assert drafted["sampled"] > 0
     assert_clean(state)
+    by_default = make_state(runner, SpeculativeConfig("ngram"))  # max_batch_sampled 0: a sampled request never drafts
+    by_default.add(req("alone", ps[1], SEEDED))
+    by_default.by_rid["alone"].drafter = Always()
+    while not by_default.idle:
+        batch = by_default.schedule()
+        assert not any(s.num_draft for s in batch.seqs)
+        by_default.postprocess(batch, runner.step(batch.seqs))
+    assert_clean(by_default)
 
 
 def test_stream_interval_with_several_tokens_a_step_sends_what_plain_decoding_sends(runner):
