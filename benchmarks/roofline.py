@@ -118,12 +118,15 @@ def tensor_bytes(value) -> int:
 def projection_bytes(proj) -> tuple[int, int]:
     """(bytes a decode-sized product reads, bytes held) of one projection, read off the tensors the
     object holds, whatever its class names them: the plain `weight` kept beside another layout
-    (PackedLinear's keep_dense, used from hundreds of rows on) is held but not read."""
+    (PackedLinear's keep_dense, used from hundreds of rows on), and the bf16 `panels` kept beside
+    block `codes` (Bf16BlockCodeLinear, used above its few rows), are held but not read."""
     held = {name: tensor_bytes(value) for name, value in vars(proj).items()}
     held = {name: n for name, n in held.items() if n}
     read = sum(held.values())
     if "weight" in held and set(held) - {"weight", "bias"}:
         read -= held["weight"]
+    if "codes" in held and "panels" in held:
+        read -= held["panels"]
     return read, sum(held.values())
 
 

@@ -68,6 +68,15 @@ def test_a_plain_weight_kept_beside_the_packed_one_is_held_but_not_read():
     assert roofline.projection_bytes(PackedLinear(weight, torch.zeros(48))) == (4 * 48 * 65, 4 * 48 * 65)
 
 
+def test_bf16_panels_kept_beside_block_codes_are_held_but_not_read():
+    """(Bf16BlockCodeLinear's layout: a decoded token reads the codes; the panels serve larger products.)"""
+    from types import SimpleNamespace
+
+    proj = SimpleNamespace(codes=[torch.zeros(96, dtype=torch.uint8), torch.zeros(8)], panels=torch.zeros(
+        64, dtype=torch.bfloat16), bias=torch.zeros(4), out_features=4)
+    assert roofline.projection_bytes(proj) == (96 + 32 + 16, 96 + 32 + 128 + 16)
+
+
 def gguf_model(loaded):
     """The tiny model with every projection quantized to Q4_1 and dequantized, as a GGUF loads."""
     from gguf import GGMLQuantizationType, quants

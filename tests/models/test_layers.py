@@ -154,7 +154,8 @@ def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
         model = ModelRunner(tiny_llama, dtype=dtype).model
         assert model.kernel == kernel_pays(dtype, CPU, timed=False) and not (model.kernel and model.packed)
         off = ModelRunner(tiny_llama, dtype=dtype, deterministic=False).model
-        assert off.kernel == kernel_pays(dtype, CPU) and not (off.kernel and off.packed)
+        # (called as the runner calls it: the cached answer it got, not a second timing a busy host may flip)
+        assert off.kernel == kernel_pays(dtype, CPU, timed=True) and not (off.kernel and off.packed)
     assert not ModelRunner(tiny_llama, dtype=torch.float16).model.kernel
 
 
