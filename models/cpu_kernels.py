@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemm.cpp", CSRC / "gemm_bf16.cpp"]
-HEADERS = [CSRC / "vec.h"]
+HEADERS = [CSRC / "vec.h", CSRC / "block_codes.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused a*b+c: the eager ops round each
 
 

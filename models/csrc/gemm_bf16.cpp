@@ -50,6 +50,7 @@
 #include <utility>
 #include <vector>
 
+#include "block_codes.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -421,16 +422,7 @@ void codes_linear(const uint32_t* xp, int64_t m, const at::Tensor& codes, const 
 
 at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0 && scales.size(2) == kPanel && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
-                  offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
-                  offsets.is_contiguous(), "scales and offsets must come from pack_bf16_block_codes");
-  const int64_t panels = scales.size(0), k = scales.size(1) * kGroup;  // K from the blocks: the codes may be nibbles
-  const bool nibbles = codes.dim() == 3 && codes.size(1) * 2 == k;
-  TORCH_CHECK(codes.dim() == 3 && codes.size(0) == panels && codes.size(2) == kPanel && codes.is_contiguous() &&
-                  ((codes.size(1) == k && codes.scalar_type() == at::kChar) ||
-                   (nibbles && (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte))),
-              "codes must come from pack_bf16_block_codes");
+  const auto [panels, k, nibbles] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
   check_x(x, k / 2);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the codes");
   at::Tensor keep;

@@ -16,6 +16,8 @@ from models.layers import CausalLM
 from models.projections import BlockCodeLinear, Bf16BlockCodeLinear, Bf16PanelLinear, Linear
 from models.runner import ModelRunner, SeqInput
 
+from gguf_weights import quantized  # (this directory)
+
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
 
 ROWS = [*range(1, 71), 97, 130, 385, 800]  # 385, 800: the buffer path over more than one pass of 384 rows
@@ -28,19 +30,6 @@ def bf16():
     assert cpu_kernels.load(), "a machine with a C++ compiler must build the kernels (see the log)"
     if not cpu_kernels.bf16_linear_available():
         pytest.skip("this CPU has no avx512_bf16 (vdpbf16ps): the bf16 kernels are not built")
-
-
-def quantized(out_features: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
-    """A weight as tercet loads a GGUF's: quantized by gguf-py (llama.cpp's formats) and dequantized;
-    "mixed": Q4_1 rows over Q8_0 rows (a fused q/k/v of differently quantized parts)."""
-    from gguf import GGMLQuantizationType, quants
-
-    if kind == "mixed":
-        half = out_features // 2
-        return torch.cat([quantized(half, k, "q4_1", seed), quantized(out_features - half, k, "q8_0", seed + 1)])
-    kinds = {"q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0}
-    weight = (torch.randn(out_features, k, generator=torch.Generator().manual_seed(seed)) * 0.05).numpy()
-    return torch.from_numpy(quants.dequantize(quants.quantize(weight, kinds[kind]), kinds[kind]).copy())
 
 
 def assert_bits_of_the_panels(weight: torch.Tensor, rows=ROWS, seed: int = 0) -> None:

@@ -1,0 +1,36 @@
+// The layout of GGUF block codes as pack_block_codes (gemm.cpp, fp32) and pack_bf16_block_codes
+// (gemm_bf16.cpp) make it, checked the same way for both kernels: codes [panels, k or k / 2, 16]
+// (int8 a code, or two 4-bit codes a byte), scales and offsets [panels, k / 32, 16] in fp16 or fp32.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace block_codes {
+
+constexpr int64_t kPanel = 16;  // output columns per panel
+constexpr int64_t kGroup = 32;  // k per block of codes (GGUF's Q4_1, Q4_0 and Q8_0 blocks)
+
+struct Shape {
+  int64_t panels;
+  int64_t k;  // from the blocks: the codes may be nibbles
+  bool nibbles;
+};
+
+// The shape of a packed weight; refuses one that `packer` did not make.
+inline Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const char* packer) {
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0 && scales.size(2) == kPanel && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
+                  offsets.is_contiguous(), "scales and offsets must come from ", packer);
+  const int64_t panels = scales.size(0), k = scales.size(1) * kGroup;
+  const bool nibbles = codes.dim() == 3 && codes.size(1) * 2 == k;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(0) == panels && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  ((codes.size(1) == k && codes.scalar_type() == at::kChar) ||
+                   (nibbles && (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte))),
+              "codes must come from ", packer);
+  return {panels, k, nibbles};
+}
+
+}  // namespace block_codes
