@@ -228,6 +228,9 @@ def write_config(args, tmp: Path) -> Path:
     data["supervision"]["max_restarts"] = max(data["supervision"]["max_restarts"], args.kills + 1)
     data["supervision"]["quarantine_after"] = args.kills + 1  # kills from outside are no poison
     data["scheduler"]["enable_deterministic_inference"] = args.deterministic_now
+    # one token a step: a kill must land while the scheduler still has work (with n-gram drafts a tiny
+    # model's streams can finish before the client has read half of them: nothing left to resume)
+    data["scheduler"]["speculative"] = "none"
     if args.replicas > 1:
         data["scheduler"]["replicas"] = args.replicas
         data["router"] = {"policy": "round_robin"}  # the killed replica holds its share
