@@ -54,8 +54,8 @@ from .private_cache import CacheNotPrivate, private_dir, why_untrusted
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemm.cpp", CSRC / "gemm_bf16.cpp"]
-HEADERS = [CSRC / "vec.h", CSRC / "block_codes.h"]
+SOURCES = sorted(CSRC.glob("*.cpp"))  # every file of csrc/ (the package data): one library, one digest
+HEADERS = sorted(CSRC.glob("*.h"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused a*b+c: the eager ops round each
 
 
