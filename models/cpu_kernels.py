@@ -8,6 +8,8 @@
   step at 32-64 decode rows (benchmarks/bench_attention.py);
 - `rope_store`, `add_rms_norm_`, `silu_mul`: a decoder layer's elementwise steps,
   one pass each, with the eager ops' roundings (`layers.CausalLM._fused_forward`);
+- `decoder` / `decoder_forward`: a Llama-layout model's layers in one call from C++, the ops above
+  and the projections below in `_fused_forward`'s order (its bits), without ~10 Python calls a layer;
 - `argmax_logsumexp`: the sampler's greedy pick and logprob normaliser, one pass;
 - `pack_linear_weight` / `packed_linear`: fp32 projections (AVX-512 or AVX2 + FMA, the same bits)
   over weights packed at load (`projections.Linear(kernel=True)`, where `probes.kernel_pays`), batch-invariant;
@@ -310,6 +312,21 @@ def bf16_block_linear(x, codes, scales, offsets, out_features: int, bias=None):
     [M, K] -> bf16 [M, out_features] with the bits of `bf16_linear(x, pack_bf16_weight(w.bfloat16()), ...)`
     for the weights w the codes hold, whatever M. Raises where `bf16_linear_available()` is False."""
     return torch.ops.tercet.bf16_block_linear(x, codes, scales, offsets, out_features, bias)
+
+
+def decoder(heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
+    """An empty C++ decoder (`csrc/decoder.cpp`): a Llama-layout model's layers in one call, filled by
+    its `add_layer` and `add_projection` (`layers.CausalLM._make_decoder`)."""
+    return torch.classes.tercet.Decoder(heads, kv_heads, head_dim, eps, scale)
+
+
+def decoder_forward(decoder, x, h, cos, sin, k_cache, v_cache, slots, page_table, row_seq, row_lens,
+                    page_size: int):
+    """Every layer of `decoder` over the residual x [T, hidden] (updated in place) from h, the first
+    layer's normed input, K/V stored and attended through `paged_attention`'s tables: the hidden
+    states after the final norm, the bits of `layers.CausalLM._fused_forward`."""
+    return torch.ops.tercet.decoder_forward(decoder, x, h, cos, sin, k_cache, v_cache, slots, page_table, row_seq,
+                                            row_lens, page_size)
 
 
 def bf16_linear_available() -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels, families, invariant, probes
-from .attention import AttentionPlan, attend
+from .attention import AttentionPlan, KernelAttention, attend
 from .errors import ModelLoadError
 from .projections import Bf16BlockCodeLinear, Linear
 from .rotary import RotaryTable
@@ -287,6 +287,7 @@ class CausalLM:
         self._share_code_rows()
         if invariant:
             self._make_invariant()
+        self.decoder = self._make_decoder()
 
     def bf16_code_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A bf16 projection of W as stored: block codes where W is exactly such codes, their bf16
@@ -331,6 +332,22 @@ class CausalLM:
                  ", ".join(f"{n} by {path}" for path, n in paths.items() if n))
         self.invariant_paths = {path: n for path, n in paths.items() if n}
 
+    def _make_decoder(self):
+        """The layers as one C++ call (`cpu_kernels.decoder`) where `_fused_forward` serves and every
+        projection is one the decoder holds (`decoder_form`); None: the Python loop serves."""
+        if not (self.fused and not self.upcast and self.llama_layers and cpu_kernels.load()):
+            return None
+        forms = [lin.decoder_form() for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(form is None for form in forms) or any(lin.min_rows != 1 for lin in self.projections()):
+            return None
+        decoder = cpu_kernels.decoder(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+        for i, layer in enumerate(self.layers):
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            decoder.add_layer(layer.post_norm, after, layer.window or 0)
+            for lin, (kind, tensors, code_rows) in zip((layer.qkv, layer.o, layer.gate_up, layer.down), forms[4 * i:]):
+                decoder.add_projection(kind, lin.out_features, code_rows, tensors, lin.bias)
+        return decoder
+
     def projections(self) -> list[Linear]:
         """Every layer's projections, then the LM head."""
         return [lin for layer in self.layers for lin in layer.projections()] + [self.lm_head]
@@ -346,6 +363,11 @@ class CausalLM:
             self._log_fallback(plan)
         if self.fused and not self.upcast and self.llama_layers:
             cos, sin = ropes["default"]
+            if self.decoder is not None and isinstance(plan.backend, KernelAttention):
+                b = plan.backend  # the layers in one C++ call: the bits of `_fused_forward`
+                h = _rms_norm(x, self.layers[0].input_norm, self.eps)
+                return cpu_kernels.decoder_forward(self.decoder, x, h, cos[:, 0], sin[:, 0], k_cache, v_cache,
+                                                   plan.slots, b.page_table, b.row_seq, b.row_lens, b.page_size)
             return self._fused_forward(x, cos[:, 0], sin[:, 0], plan, k_cache, v_cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, ropes, plan, k_cache[i], v_cache[i])

@@ -54,6 +54,11 @@ class Projection:
         """W [out, in] as the products use it."""
         raise NotImplementedError
 
+    def decoder_form(self) -> tuple[int, list[torch.Tensor], int] | None:
+        """How csrc/decoder.cpp holds this projection, the same product in C++: its kind, tensors and
+        the rows up to which codes serve (-1: every product); None: only Python multiplies it so."""
+        return None
+
     def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
         """x W^T without the bias; fp32 when `upcast`."""
         if upcast:
@@ -121,6 +126,9 @@ class PanelLinear(Projection):
     def _product(self, x, bias):
         return cpu_kernels.packed_linear(x, self.panels, self.out_features, bias)
 
+    def decoder_form(self):
+        return 0, [self.panels], -1
+
 
 class BlockCodeLinear(Projection):
     """The same kernel over GGUF block codes (`codes` from `cpu_kernels.pack_block_codes`): each
@@ -142,6 +150,9 @@ class BlockCodeLinear(Projection):
     def _product(self, x, bias):
         return cpu_kernels.block_linear(x, *self.codes, self.out_features, bias)
 
+    def decoder_form(self):
+        return 1, list(self.codes), -1
+
 
 class Bf16PanelLinear(Projection):
     """tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`): W in panels of 16 output
@@ -161,6 +172,9 @@ class Bf16PanelLinear(Projection):
 
     def _product(self, x, bias):
         return cpu_kernels.bf16_linear(x, self.panels, self.out_features, bias)
+
+    def decoder_form(self):
+        return 2, [self.panels], -1
 
 
 class Bf16BlockCodeLinear(BlockCodeLinear):
@@ -197,6 +211,11 @@ class Bf16BlockCodeLinear(BlockCodeLinear):
         if self.code_rows is not None and x.shape[0] > self.code_rows:
             return cpu_kernels.bf16_linear(x, self.panels, self.out_features, bias)
         return cpu_kernels.bf16_block_linear(x, *self.codes, self.out_features, bias)
+
+    def decoder_form(self):
+        if self.code_rows is None:
+            return 3, list(self.codes), -1
+        return 3, [*self.codes, self.panels], self.code_rows
 
 
 def _unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""The C++ decoder (csrc/decoder.cpp): a Llama-layout model's layers in one call, with the bits of the
+Python loop over the same kernels (`CausalLM._fused_forward`), for every projection class it holds."""
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from models import cpu_kernels, probes
+from models.layers import CausalLM
+from models.loading import tiny_config, tiny_model
+from models.projections import BlockCodeLinear, Bf16BlockCodeLinear, Bf16PanelLinear, DenseLinear, PanelLinear
+from models.runner import ModelRunner, SeqInput
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_kernels.load(), "a machine with a C++ compiler must build the kernels (see the log)"
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("no AVX2 + FMA kernel on this machine")
+
+
+def as_gguf(loaded):
+    """The model's projections as a GGUF keeps them (Q4_1, Q8_0 the embeddings), dequantized."""
+    from gguf import GGMLQuantizationType, quants
+
+    def requantize(name, tensor):
+        if tensor.dim() != 2:
+            return tensor
+        kind = GGMLQuantizationType.Q8_0 if "embed" in name or "lm_head" in name else GGMLQuantizationType.Q4_1
+        return torch.from_numpy(quants.dequantize(quants.quantize(tensor.float().numpy(), kind), kind).copy())
+    return dataclasses.replace(loaded, state_dict={n: requantize(n, t) for n, t in loaded.state_dict.items()})
+
+
+def steps(runner):
+    """Three prompts, then a step of their decode rows beside a fourth prompt and a chunk of a fifth
+    (decode and prefill rows in one batch, K/V read back from the cache): every step's logits."""
+    prompts = [list(range(5 + 3 * i, 25 + 7 * i)) for i in range(3)]
+    pages = [list(range(start, start + 64)) for start in (0, 100, 200, 300, 400)]
+    first = [SeqInput(p, pages[i]) for i, p in enumerate(prompts)]
+    out = runner.logits(first, [0, 1, 2])
+    second = [SeqInput([7 + i], pages[i], num_cached=len(p)) for i, p in enumerate(prompts)]
+    second += [SeqInput(list(range(40, 49)), pages[3]), SeqInput(list(range(50, 80)), pages[4], sample=False)]
+    out += runner.logits(second, [0, 1, 2, 3, 4])
+    one = [SeqInput([9], pages[0], num_cached=len(prompts[0]) + 1)]  # one row: the codes' direct path
+    return out + runner.logits(one, [0])
+
+
+def assert_decoder_bits(loaded, dtype, cls, monkeypatch):
+    runner = ModelRunner(loaded, dtype=dtype)
+    model = runner.model
+    assert runner.deterministic and model.decoder is not None
+    assert {type(lin) for lin in model.projections()[:-1]} == {cls}
+    python = ModelRunner(loaded, dtype=dtype)
+    python.model.decoder = None  # the Python loop over the same kernels
+    calls = []
+    forward = cpu_kernels.decoder_forward
+    monkeypatch.setattr(cpu_kernels, "decoder_forward", lambda *a: calls.append(1) or forward(*a))
+    ours, theirs = steps(runner), steps(python)
+    assert len(calls) == 3  # every step through the decoder
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_the_decoder_gives_the_python_loops_bits_over_fp32_panels(model_type, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    loaded = tiny_model(tiny_config(model_type), seed=1)
+    assert_decoder_bits(loaded, torch.float32, PanelLinear, monkeypatch)
+
+
+def test_the_decoder_gives_the_python_loops_bits_over_fp32_block_codes(tiny_llama, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    assert_decoder_bits(as_gguf(tiny_llama), torch.float32, BlockCodeLinear, monkeypatch)
+
+
+def test_the_decoder_keeps_a_sliding_window(monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    loaded = tiny_model(tiny_config("mistral", sliding_window=6), seed=2)
+    runner = ModelRunner(loaded, dtype=torch.float32)
+    assert runner.model.layers[0].window == 6 and runner.model.decoder is not None
+    assert_decoder_bits(loaded, torch.float32, PanelLinear, monkeypatch)
+
+
+@pytest.fixture
+def bf16():
+    if not cpu_kernels.bf16_linear_available():
+        pytest.skip("this CPU has no avx512_bf16 (vdpbf16ps): the bf16 kernels are not built")
+
+
+def test_the_decoder_gives_the_python_loops_bits_over_bf16_panels(tiny_llama, bf16, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    assert_decoder_bits(tiny_llama, torch.bfloat16, Bf16PanelLinear, monkeypatch)
+
+
+@pytest.mark.parametrize("code_rows", [None, 2])  # 2: the panels beside the codes serve more rows
+def test_the_decoder_gives_the_python_loops_bits_over_bf16_block_codes(tiny_llama, bf16, code_rows, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    monkeypatch.setattr(probes, "bf16_code_rows", lambda linears: code_rows)
+    loaded = as_gguf(tiny_llama)
+    assert_decoder_bits(loaded, torch.bfloat16, Bf16BlockCodeLinear, monkeypatch)
+    model = ModelRunner(loaded, dtype=torch.bfloat16).model
+    assert all(lin.code_rows == code_rows for lin in model.projections())
+
+
+def test_a_projection_the_decoder_does_not_hold_leaves_the_python_loop(tiny_llama, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    runner = ModelRunner(tiny_llama, dtype=torch.float32)
+    model = runner.model
+    layer = model.layers[1]
+    layer.mlp.down = DenseLinear(layer.down.dense())  # e.g. a storage the decoder has no kind for
+    assert model._make_decoder() is None
+    off = CausalLM(tiny_llama.config, tiny_llama.state_dict, torch.float32, fused=False)
+    assert off.decoder is None  # the eager layers: nothing to call in C++
+
+
+def test_the_decoder_refuses_what_it_cannot_hold():
+    decoder = cpu_kernels.decoder(4, 2, 16, 1e-5, 0.25)
+    weight = torch.ones(16)
+    with pytest.raises(RuntimeError, match="a projection without its layer"):
+        decoder.add_projection(0, 32, -1, [torch.zeros(2, 64, 16)], None)
+    decoder.add_layer(weight, weight, 0)
+    with pytest.raises(RuntimeError, match="projection kind 1 with 1 tensors"):
+        decoder.add_projection(1, 32, -1, [torch.zeros(2, 64, 16)], None)
+    with pytest.raises(RuntimeError, match="projection kind 7"):
+        decoder.add_projection(7, 32, -1, [torch.zeros(2, 64, 16)], None)
+    with pytest.raises(RuntimeError, match="a layer's four projections come after it"):
+        decoder.add_layer(weight, weight, 0)
+    with pytest.raises(RuntimeError, match="bad head counts"):
+        cpu_kernels.decoder(4, 3, 16, 1e-5, 0.25)
