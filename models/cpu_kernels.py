@@ -273,18 +273,31 @@ def pack_bf16_block_codes(weight):
     each pair of k (2i, 2i + 1) of a panel's codes in the order vdpbf16ps takes the bf16 weights,
     as 32 lanes: columns 0-7 then 8-15, lane j column j // 2 (+ 8) at k = 2i + j % 2. Nibbles
     [P, K/2, 16]: lane j of the first half in byte j's low nibble, of the second in its high one;
-    bytes [P, K, 16]: the two halves one after the other."""
+    bytes [P, K, 16]: the two halves one after the other. In tile numerics (`bf16_tile_numerics`)
+    the k of each 4 are first taken as (k + 2, k, k + 3, k + 1): the pairs of its two chains."""
     found = pack_block_codes(weight)
     return [bf16_pair_order(found[0], weight.shape[1]), *found[1:]] if found else []
 
 
+def _chain_order(k: int) -> torch.Tensor | None:
+    """The k of the tile numerics' pairs (k + 2, k), (k + 3, k + 1) for each 4, or None (vdpbf16ps's numerics)."""
+    if not bf16_tile_numerics():
+        return None
+    return torch.arange(k).view(-1, 4)[:, [2, 0, 3, 1]].flatten()
+
+
 def bf16_pair_order(codes, k: int):
     """`pack_block_codes`' codes (any of its layouts) in `pack_bf16_block_codes`' order, the same dtype and shape."""
+    order = _chain_order(k)
     if codes.shape[1] == k:  # one a byte: the bytes moved
-        return codes.view(len(codes), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(codes.shape).contiguous()
+        if order is not None:
+            codes = codes[:, order]
+        return codes.reshape(len(codes), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(codes.shape).contiguous()
     raw = codes.view(torch.uint8)  # two a byte: the 4-bit fields moved as they are (a sign stays in its nibble)
     fields = torch.stack([raw & 15, raw >> 4], dim=2).flatten(1, 2)  # [P, K, 16]: k = 2i low, 2i + 1 high
-    lanes = fields.view(len(raw), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(len(raw), k // 2, 2, 16)
+    if order is not None:
+        fields = fields[:, order]
+    lanes = fields.reshape(len(raw), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(len(raw), k // 2, 2, 16)
     return (lanes[:, :, 0] | (lanes[:, :, 1] << 4)).view(codes.dtype)
 
 
@@ -294,7 +307,9 @@ def bf16_block_codes_dense(codes, k: int):
         lanes = codes.view(len(codes), k // 2, 2, 16)
     else:
         lanes = torch.stack(_nibble_halves(codes), dim=2)  # [P, K/2, 2, 16]
-    return lanes.view(len(codes), k // 2, 2, 8, 2).permute(0, 1, 4, 2, 3).reshape(len(codes), k, 16)
+    dense = lanes.view(len(codes), k // 2, 2, 8, 2).permute(0, 1, 4, 2, 3).reshape(len(codes), k, 16)
+    order = _chain_order(k)
+    return dense if order is None else dense[:, torch.argsort(order)]
 
 
 def _nibble_halves(codes):
@@ -327,6 +342,17 @@ def decoder_forward(decoder, x, h, cos, sin, k_cache, v_cache, slots, page_table
     states after the final norm, the bits of `layers.CausalLM._fused_forward`."""
     return torch.ops.tercet.decoder_forward(decoder, x, h, cos, sin, k_cache, v_cache, slots, page_table, row_seq,
                                             row_lens, page_size)
+
+
+def bf16_tile_numerics() -> bool:
+    """Whether the bf16 kernels sum as AMX's TDPBF16PS does (builds for CPUs with AMX-BF16,
+    csrc/gemm_bf16.cpp's "Tile numerics"): panels of whole 32-k blocks, products of many rows through the tiles."""
+    return load() and torch.ops.tercet.bf16_tile_numerics()
+
+
+def bf16_amx_serves() -> bool:
+    """Whether AMX's tiles serve the bf16 products of many rows (tile numerics, and Linux lent the tiles)."""
+    return load() and torch.ops.tercet.bf16_amx_serves()
 
 
 def bf16_linear_available() -> bool:

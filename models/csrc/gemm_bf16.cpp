@@ -33,6 +33,15 @@
 // (a weight some block of which is not exactly fp16) the integer rounding of vec.h.
 //
 //   bf16_block_linear(x [M, K] bf16, codes, scales, offsets, n, bias? [n] bf16 or fp32) -> y [M, n] bf16
+//
+// Tile numerics (builds for CPUs with AMX-BF16, `bf16_tile_numerics()`): every output is summed as AMX's
+// TDPBF16PS sums a 32-k tile instead (an even and an odd chain per block of 32 k, then c + their sum; see
+// that section below), so the tiles serve products of kAmxRows rows or more straight over the panels (padded
+// to whole blocks), ~2,000 GFLOP/s at 64 rows against vdpbf16ps's ~220, and vdpbf16ps reproduces the same
+// bits for fewer rows and from the block codes (stored in the chains' pair order there). Both numerics are
+// batch-invariant; a build has one of them (the CPU flags are in its digest). TDPBF16PS cannot take
+// vdpbf16ps's order (benchmarks/results/2026-12-05-amx-tiles/), hence the other numerics.
+//   bf16_tile_numerics() -> whether this build sums so; bf16_amx_serves() -> and Linux lent it the tiles
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -58,6 +67,13 @@
 #else
 #define TERCET_BF16_GEMM 0
 #endif
+#if TERCET_BF16_GEMM && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TERCET_TILE_NUMERICS 1  // (see "Tile numerics" below)
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define TERCET_TILE_NUMERICS 0
+#endif
 
 namespace {
 
@@ -71,11 +87,14 @@ constexpr int64_t kPrefetch = 48;
 constexpr int64_t kGroup = 32;            // k per block of codes
 constexpr int64_t kCodeBlockRows = 384;   // rows per pass of the buffer path: each pass decodes every panel once
 constexpr int64_t kDirectRows = kRows;    // products of up to this many rows rebuild the weights in registers
+// pairs of the packed weights: whole 32-k blocks (zero pairs after K) in tile numerics
+constexpr int64_t kPairAlign = TERCET_TILE_NUMERICS ? 16 : 1;
+constexpr int64_t aligned_pairs(int64_t pairs) { return (pairs + kPairAlign - 1) / kPairAlign * kPairAlign; }
 
 at::Tensor pack_bf16_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
               "w must be a bfloat16 CPU [N, K]");
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel, pairs = (k + 1) / 2;
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel, pairs = aligned_pairs((k + 1) / 2);
   const auto src = w.contiguous();
   auto packed = at::zeros({panels, pairs, 2 * kPanel}, w.options());
   const auto* s = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
@@ -301,18 +320,293 @@ template <Codes C, typename S>
 constexpr auto kDirect = directs_of<C, S>(std::make_integer_sequence<int, kDirectRows>());
 #endif
 
+#if TERCET_TILE_NUMERICS
+// ---- Tile numerics (builds for CPUs with AMX-BF16) ----
+//
+// Per output, over K in blocks of 32 (16 pairs; the panels are padded with zero pairs to whole blocks):
+// two chains from +0, one over the block's even k and one over its odd k, each product added with one
+// rounding (vdpbf16ps's and TDPBF16PS's adds: denormal inputs read as zero, denormal sums flushed), then
+// c = ftz(c + ftz(even + odd)). That is what one TDPBF16PS of a 32-k tile computes for every output
+// (benchmarks/results/2026-12-05-amx-tiles/), so AMX's tiles serve products of many rows in place over
+// the panels; vdpbf16ps reproduces it exactly for few rows (and from the block codes): a pair of inputs
+// (k + 2, k) gives the even chain's steps k, k + 2 (vdpbf16ps adds its odd element's product first),
+// (k + 3, k + 1) the odd chain's. Either way a row's bits depend only on its own inputs.
+
+constexpr int64_t kBlockPairs = 16;  // pairs per 32-k block (one tile's K)
+constexpr int64_t kAmxRows = 4;      // products of this many rows or more through the tiles (where AMX is permitted)
+constexpr int64_t kTnBlockRows = 256;  // rows whose inputs stay in L2 while the panels pass
+
+inline __m512 ftz(__m512 v) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ);
+  return _mm512_mask_and_ps(v, tiny, v, _mm512_set1_ps(-0.f));
+}
+
+// The even and odd chains' weight vectors from two consecutive pair rows a (k, k + 1) and b (k + 2, k + 3)
+// of a panel: per column, even = (w[k + 2], w[k]) and odd = (w[k + 3], w[k + 1]) as vdpbf16ps pairs
+inline void chains_of(__m512i a, __m512i b, __m512bh& even, __m512bh& odd) {
+  even = (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAA, b, _mm512_slli_epi32(a, 16));
+  odd = (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(b, 16), a);
+}
+
+// The pair rows a (k, k + 1) and b (k + 2, k + 3) back from the chains' vectors (chains_of's inverse)
+inline void pairs_of_chains(__m512i even, __m512i odd, __m512i& a, __m512i& b) {
+  a = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even, 16), odd);
+  b = _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
+}
+
+// A row's inputs for the same steps from its pairs words a (k, k + 1) and b (k + 2, k + 3)
+inline __m512bh even_input(uint32_t a, uint32_t b) {
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>((b & 0xffffu) | (a << 16)));
+}
+inline __m512bh odd_input(uint32_t a, uint32_t b) {
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>((b >> 16) | (a & 0xffff0000u)));
+}
+
+// R rows (x as pairs words, ldx apart) against P consecutive panels (weights from `weights(p, i)`, pair row i of
+// panel p as a 32-bf16 vector; CHAINED: rows 2q and 2q + 1 are the even and the odd chain's vectors already):
+// c[r][p] in tile numerics
+template <int R, int P, bool CHAINED, typename Weights, typename BeginBlock>
+inline void tile_chains(const uint32_t* x, int64_t ldx, int64_t pairs, __m512 (&c)[R][P], Weights weights,
+                        BeginBlock begin_block) {
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p) c[r][p] = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < pairs; i0 += kBlockPairs) {
+    begin_block(i0);
+    __m512 e[R][P], o[R][P];
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p) e[r][p] = o[r][p] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t i = i0; i < i0 + kBlockPairs; i += 2) {
+      __m512bh we[P], wo[P];
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p) {
+        if constexpr (CHAINED) {
+          we[p] = (__m512bh)weights(p, i), wo[p] = (__m512bh)weights(p, i + 1);
+        } else {
+          chains_of(weights(p, i), weights(p, i + 1), we[p], wo[p]);
+        }
+      }
+#pragma GCC unroll 32
+      for (int r = 0; r < R; ++r) {
+        const uint32_t a = x[r * ldx + i], b = x[r * ldx + i + 1];
+        const __m512bh xe = even_input(a, b), xo = odd_input(a, b);
+#pragma GCC unroll 32
+        for (int p = 0; p < P; ++p) {
+          e[r][p] = _mm512_dpbf16_ps(e[r][p], xe, we[p]);
+          o[r][p] = _mm512_dpbf16_ps(o[r][p], xo, wo[p]);
+        }
+      }
+    }
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p) c[r][p] = ftz(_mm512_add_ps(c[r][p], ftz(_mm512_add_ps(e[r][p], o[r][p]))));
+  }
+}
+
+constexpr int kTnRows = 4;    // rows per register block of the vdpbf16ps path (3 accumulators an output)
+constexpr int kTnPanels = 2;  // panels per unit (the tiles' 32 columns)
+
+// R rows against P panels of packed weights (stride pairs * 32) by vdpbf16ps, tile numerics
+template <int R, int P>
+void block_tn(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs, c10::BFloat16* y, int64_t ldc,
+              int64_t cols, const float* bias) {
+  __m512 c[R][P];
+  tile_chains<R, P, false>(
+      x, ldx, pairs, c, [&](int p, int64_t i) { return _mm512_loadu_si512(panel + (p * pairs + i) * 2 * kPanel); },
+      [](int64_t) {});
+  store_rows<R, P>(c, y, ldc, cols, bias);
+}
+
+using BlockTnFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, c10::BFloat16*, int64_t, int64_t,
+                           const float*);
+template <int P, int... R>
+constexpr std::array<BlockTnFn, kTnRows> tn_blocks_of(std::integer_sequence<int, R...>) {
+  return {&block_tn<R + 1, P>...};
+}
+// kTnBlocks[panels - 1][rows - 1]
+constexpr std::array<std::array<BlockTnFn, kTnRows>, kTnPanels> kTnBlocks = {
+    tn_blocks_of<1>(std::make_integer_sequence<int, kTnRows>()),
+    tn_blocks_of<2>(std::make_integer_sequence<int, kTnRows>())};
+
+// R rows against P panels straight from their block codes (a block of 32 k is a group of codes: its d and m
+// set up at the block's start; the codes in the chains' order, pack_bf16_block_codes), tile numerics. Panels past `count` repeat panel 0 (computed, not stored).
+template <int R, int P, Codes C, typename S>
+void direct_tn(const uint32_t* x, int64_t ldx, const uint8_t* codes, const S* scales, const S* offsets,
+               int64_t pairs, int64_t count, c10::BFloat16* y, int64_t ldc, int64_t cols, const float* bias) {
+  const int64_t k = 2 * pairs, groups = k / kGroup;
+  const uint8_t* q[P];
+  const S* ds[P];
+  const S* ms[P];
+  for (int p = 0; p < P; ++p) {
+    const int64_t at = p < count ? p : 0;
+    q[p] = codes + at * (k / per_byte(C)) * kPanel;
+    ds[p] = scales + at * groups * kPanel, ms[p] = offsets + at * groups * kPanel;
+  }
+  alignas(64) float dm[P][64];  // the block's d and m of each panel, fp32, in pair order
+  __m512 c[R][P];
+  tile_chains<R, P, true>(
+      x, ldx, pairs, c, [&](int p, int64_t i) { return (__m512i)pair_weights<C, S>(q[p], i, dm[p]); },
+      [&](int64_t i0) {
+        const int64_t g = i0 / kBlockPairs;
+#pragma GCC unroll 32
+        for (int p = 0; p < P; ++p) store_pair_scales(ds[p] + g * kPanel, ms[p] + g * kPanel, dm[p]);
+      });
+  store_rows<R, P>(c, y, ldc, cols, bias);
+}
+
+// `count` panels' bf16 weights from their codes (in the chains' order) in pack_bf16_weight's layout, into buf
+template <Codes C, typename S>
+void decode_panels_tn(const uint8_t* codes, const S* scales, const S* offsets, int64_t pairs, int64_t count,
+                      uint16_t* buf) {
+  const int64_t k = 2 * pairs, groups = k / kGroup;
+  for (int64_t p = 0; p < count; ++p) {
+    const uint8_t* q = codes + p * (k / per_byte(C)) * kPanel;
+    for (int64_t g = 0; g < groups; ++g) {
+      alignas(64) float dm[64];
+      store_pair_scales(scales + (p * groups + g) * kPanel, offsets + (p * groups + g) * kPanel, dm);
+      for (int64_t i = g * kBlockPairs; i < (g + 1) * kBlockPairs; i += 2) {
+        __m512i a, b;
+        pairs_of_chains((__m512i)pair_weights<C, S>(q, i, dm), (__m512i)pair_weights<C, S>(q, i + 1, dm), a, b);
+        _mm512_storeu_si512(buf + (p * pairs + i) * 2 * kPanel, a);
+        _mm512_storeu_si512(buf + (p * pairs + i + 1) * 2 * kPanel, b);
+      }
+    }
+  }
+}
+
+constexpr int64_t kDirectTnRows = 4;  // products of up to this many rows from the codes in registers
+// Panels per call of the direct path: 3 accumulators an output (and at 3 panels SmolLM2's widths, multiples
+// of 96 columns, split evenly between two threads)
+constexpr int direct_tn_panels(int rows) { return rows <= 1 ? 6 : rows <= 2 ? 3 : 1; }
+template <Codes C, typename S, int... R>
+constexpr std::array<DirectFn<C, S>, kDirectTnRows> direct_tns_of(std::integer_sequence<int, R...>) {
+  return {&direct_tn<R + 1, direct_tn_panels(R + 1), C, S>...};
+}
+template <Codes C, typename S>
+constexpr auto kDirectTn = direct_tns_of<C, S>(std::make_integer_sequence<int, kDirectTnRows>());
+
+// Linux lends a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// refused (an old kernel, a sandbox): the vdpbf16ps path gives the same bits
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: y (2 x 2 tiles of 16 rows x 16 fp32), 4-5: x (16 rows x 16 pairs), 6-7: two panels (16 pairs x 32 bf16)
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Rows [0, rows) (rows <= 32; x as pairs words ldx apart, every row of the two tiles readable) against two
+// panels: y = round(x . panels + bias). TWO: a second row tile (rows > 16).
+template <bool TWO>
+void amx_block(const uint32_t* x, int64_t ldx, int64_t rows, const uint16_t* panel0, const uint16_t* panel1,
+               int64_t pairs, c10::BFloat16* y, int64_t ldc, int64_t cols, const float* bias, float* scratch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t stride = ldx * 4;
+  for (int64_t i = 0; i < pairs; i += kBlockPairs) {
+    _tile_loadd(4, x + i, stride);
+    _tile_loadd(6, panel0 + i * 2 * kPanel, 64);
+    _tile_loadd(7, panel1 + i * 2 * kPanel, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, x + 16 * ldx + i, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, scratch, 128);  // scratch [32 rows][32 columns]
+  _tile_stored(1, scratch + 16, 128);
+  if constexpr (TWO) {
+    _tile_stored(2, scratch + 16 * 32, 128);
+    _tile_stored(3, scratch + 16 * 32 + 16, 128);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 c[1][2] = {{_mm512_loadu_ps(scratch + r * 32), _mm512_loadu_ps(scratch + r * 32 + 16)}};
+    store_rows<1, 2>(c, y + r * ldc, ldc, cols, bias);
+  }
+}
+
+// y = x W^T (+ b) in tile numerics over `panels` panels; panel_of(p, count, buf) gives the weights of panels
+// p .. p + count - 1 (count <= 2) in the packed layout, in place or decoded into buf (this thread's)
+template <typename PanelOf>
+void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, int64_t n, const float* b,
+                c10::BFloat16* out, PanelOf panel_of) {
+  const bool amx = m >= kAmxRows && amx_permitted();
+  const int64_t units = (panels + kTnPanels - 1) / kTnPanels;
+  const int64_t grain = std::max<int64_t>(1, 8 / ((m + 31) / 32));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> buf;
+    std::vector<uint32_t> xpad;  // a last chunk of rows, padded to whole tiles with zero rows
+    alignas(64) float scratch[32 * 32];
+    if (amx) configure_tiles();
+    for (int64_t r0 = 0; r0 < m; r0 += kTnBlockRows) {
+      const int64_t r1 = std::min(m, r0 + kTnBlockRows);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t p = u * kTnPanels, count = std::min<int64_t>(kTnPanels, panels - p);
+        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
+        const uint16_t* panel = panel_of(p, count, buf);
+        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
+        if (!amx) {
+          for (int64_t r = r0; r < r1; r += kTnRows) {
+            const int64_t rows = std::min<int64_t>(kTnRows, r1 - r);
+            kTnBlocks[count - 1][rows - 1](xp + r * pairs, pairs, panel, pairs, out + r * n + p * kPanel, n, cols, pb);
+          }
+          continue;
+        }
+        const uint16_t* second = count > 1 ? panel + pairs * 2 * kPanel : panel;  // (computed, not stored)
+        for (int64_t r = r0; r < r1; r += 32) {
+          const int64_t rows = std::min<int64_t>(32, r1 - r);
+          const uint32_t* x = xp + r * pairs;
+          if (r + 32 > m) {  // tiles read 16 or 32 rows: the last ones from a zero-padded copy
+            xpad.assign(static_cast<size_t>(32 * pairs), 0u);
+            std::memcpy(xpad.data(), x, static_cast<size_t>(rows * pairs) * sizeof(uint32_t));
+            x = xpad.data();
+          }
+          c10::BFloat16* y = out + r * n + p * kPanel;
+          if (rows > 16) amx_block<true>(x, pairs, rows, panel, second, pairs, y, n, cols, pb, scratch);
+          else amx_block<false>(x, pairs, rows, panel, second, pairs, y, n, cols, pb, scratch);
+        }
+      }
+    }
+    if (amx) _tile_release();
+  });
+}
+#endif
+
 // x [M, K] bf16 as the blocks read it: each row's pairs of inputs as 32-bit words, in place, or
-// copied where K is odd (each row's last pair padded with a zero) or x starts between two words (a
-// view at an odd offset: `padded` holds the copy)
+// copied where the weight has more pairs (K odd, or not whole 32-k blocks in tile numerics: zeros after
+// K) or x starts between two words (a view at an odd offset: `padded` holds the copy)
 const uint32_t* pairs_of(const at::Tensor& xin, int64_t pairs, std::vector<uint32_t>& padded) {
   const int64_t m = xin.size(0), k = xin.size(1);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xin.data_ptr<at::BFloat16>());
-  if (k % 2 == 0 && reinterpret_cast<uintptr_t>(xp) % alignof(uint32_t) == 0) return xp;
+  if (k == 2 * pairs && reinterpret_cast<uintptr_t>(xp) % alignof(uint32_t) == 0) return xp;
   padded.resize(static_cast<size_t>(m * pairs));
   const auto* src = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < pairs; ++i)
-      padded[r * pairs + i] = src[r * k + 2 * i] | (2 * i + 1 < k ? uint32_t{src[r * k + 2 * i + 1]} << 16 : 0u);
+      padded[r * pairs + i] = (2 * i < k ? uint32_t{src[r * k + 2 * i]} : 0u) |
+                              (2 * i + 1 < k ? uint32_t{src[r * k + 2 * i + 1]} << 16 : 0u);
   return padded.data();
 }
 
@@ -358,7 +652,8 @@ void project(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, int64
 void check_x(const at::Tensor& x, int64_t pairs) {
   TORCH_CHECK(TERCET_BF16_GEMM, "this build has no AVX512_BF16 projection kernel (the CPU lacks avx512_bf16)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a bfloat16 CPU [M, K]");
-  TORCH_CHECK((x.size(1) + 1) / 2 == pairs, "x has ", x.size(1), " columns, the weight ", 2 * pairs - 1, " or ", 2 * pairs);
+  TORCH_CHECK(aligned_pairs((x.size(1) + 1) / 2) == pairs, "x has ", x.size(1), " columns, the weight ",
+              2 * pairs - 2 * kPairAlign + 1, " to ", 2 * pairs);
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
@@ -376,8 +671,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   std::vector<uint32_t> padded;
   const uint32_t* xp = pairs_of(xin, pairs, padded);
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  project(xp, m, pairs, panels, n, b, kBlockRows, y.data_ptr<c10::BFloat16>(),
-          [&](int64_t p, int64_t, std::vector<uint16_t>&) { return w + p * pairs * 2 * kPanel; });
+  const auto in_place = [&](int64_t p, int64_t, std::vector<uint16_t>&) { return w + p * pairs * 2 * kPanel; };
+#if TERCET_TILE_NUMERICS
+  project_tn(xp, m, pairs, panels, n, b, y.data_ptr<c10::BFloat16>(), in_place);
+#else
+  project(xp, m, pairs, panels, n, b, kBlockRows, y.data_ptr<c10::BFloat16>(), in_place);
+#endif
   return y;
 }
 
@@ -387,6 +686,27 @@ template <Codes C, typename S>
 void codes_linear(const uint32_t* xp, int64_t m, const uint8_t* c, const S* d, const S* mo, int64_t panels,
                   int64_t pairs, int64_t n, const float* b, c10::BFloat16* out) {
   const int64_t k = 2 * pairs, sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's
+#if TERCET_TILE_NUMERICS
+  if (m <= kDirectTnRows) {  // straight from the codes
+    const int64_t width = direct_tn_panels(static_cast<int>(m));
+    at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
+        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
+        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
+        kDirectTn<C, S>[m - 1](xp, pairs, c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count,
+                               out + p * kPanel, n, cols, pb);
+      }
+    });
+    return;
+  }
+  project_tn(xp, m, pairs, panels, n, b, out, [&](int64_t p, int64_t count, std::vector<uint16_t>& buf) {
+    buf.resize(static_cast<size_t>(kTnPanels * pairs * 2 * kPanel));
+    decode_panels_tn<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count, buf.data());
+    return static_cast<const uint16_t*>(buf.data());
+  });
+  return;
+#endif
   if (m <= kDirectRows) {  // straight from the codes
     const int64_t width = direct_panels(static_cast<int>(m));
     at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
@@ -448,6 +768,16 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& codes, const
 
 bool bf16_linear_available() { return TERCET_BF16_GEMM; }
 
+// Whether this build sums in tile numerics (a CPU with AMX-BF16), and whether AMX's tiles serve
+bool bf16_tile_numerics() { return TERCET_TILE_NUMERICS; }
+bool bf16_amx_serves() {
+#if TERCET_TILE_NUMERICS
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tercet, m) {
@@ -455,6 +785,8 @@ TORCH_LIBRARY_FRAGMENT(tercet, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_block_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
+  m.def("bf16_tile_numerics() -> bool", &bf16_tile_numerics);
+  m.def("bf16_amx_serves() -> bool", &bf16_amx_serves);
   m.impl("pack_bf16_weight", c10::DispatchKey::CPU, TORCH_FN(pack_bf16_weight));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("bf16_block_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_block_linear));

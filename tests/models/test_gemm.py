@@ -95,7 +95,10 @@ def test_bf16_kernel_gives_f_linear_products_within_bf16_rounding(bf16, out_feat
     """Partial panels, an odd K (padded with a zero), a bias in bf16 and in fp32."""
     weight, bias, x = bf16_case(out_features, k, seed=k)
     packed = cpu_kernels.pack_bf16_weight(weight)
-    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-out_features // 16), (k + 1) // 2, 32)
+    pairs = (k + 1) // 2
+    if cpu_kernels.bf16_tile_numerics():  # whole blocks of 16 pairs
+        pairs = -(-pairs // 16) * 16
+    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-out_features // 16), pairs, 32)
     for b in (None, bias, bias.float()):
         y = cpu_kernels.bf16_linear(x, packed, out_features, b)
         assert y.dtype == torch.bfloat16 and y.shape == (200, out_features)
@@ -125,6 +128,22 @@ def test_bf16_kernel_gives_each_row_its_bits_alone_in_any_batch(bf16, out_featur
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 40])  # the vdpbf16ps path, and where AMX's tiles may serve
+def test_bf16_kernel_sums_in_the_numerics_of_its_build(bf16, rows):
+    """Products 1, 2^-24, 2^-8, 2^-24 at k = 0..3. vdpbf16ps's chain (odd element first, pair after pair)
+    loses each 2^-24 against the 1 (a tie to even): 1 + 2^-8, a tie that rounds to bf16 1.0. Tile numerics
+    (AMX builds: an even and an odd chain per 32 k, then their sum) add the two 2^-24 first: 1 + 2^-8 + 2^-23,
+    which rounds up to 1 + 2^-7. Either way every row count gives the build's bits."""
+    x = torch.zeros(rows, 40, dtype=torch.bfloat16)
+    x[:, :4] = torch.tensor([1.0, 2.0**-12, 2.0**-4, 2.0**-12])
+    packed = cpu_kernels.pack_bf16_weight(x[:1].clone())
+    want = 1 + 2.0**-7 if cpu_kernels.bf16_tile_numerics() else 1.0
+    assert cpu_kernels.bf16_linear(x, packed, 1).float().flatten().tolist() == [want] * rows
+    if cpu_kernels.bf16_tile_numerics():  # whole blocks of 32 k: 40 columns are 2 blocks of 16 pairs
+        assert packed.shape == (1, 32, 32)
+
+
+@needs_compiler
 def test_bf16_kernel_refuses_what_does_not_fit(bf16):
     packed = cpu_kernels.pack_bf16_weight(torch.zeros(40, 8, dtype=torch.bfloat16))
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
@@ -137,7 +156,7 @@ def test_bf16_kernel_refuses_what_does_not_fit(bf16):
     with pytest.raises(RuntimeError, match="x must be a bfloat16"):
         cpu_kernels.bf16_linear(x[0], packed, 40)
     with pytest.raises(RuntimeError, match="columns"):
-        cpu_kernels.bf16_linear(torch.zeros(2, 10, dtype=torch.bfloat16), packed, 40)
+        cpu_kernels.bf16_linear(torch.zeros(2, 40, dtype=torch.bfloat16), packed, 40)
     with pytest.raises(RuntimeError, match="n does not match"):
         cpu_kernels.bf16_linear(x, packed, 50)
     with pytest.raises(RuntimeError, match="bias must be"):
