@@ -120,8 +120,7 @@ def parser() -> argparse.ArgumentParser:
                               "prefix cache, chunking and crash resume")
     serve_p.add_argument("--disable-deterministic-inference", dest="enable_deterministic_inference",
                          action="store_false", default=argparse.SUPPRESS,
-                         help="the kernels that may round a row differently with the batch (1-4 %% faster; 2x at "
-                              "32-64 requests on CPUs with AMX, whose bf16 units only oneDNN uses)")
+                         help="the kernels that may round a row differently with the batch (1-4 %% faster)")
     serve_p.add_argument("--speculative", choices=["none", "ngram"],
                          help="ngram: speculative decoding by prompt lookup, the text unchanged (docs/speculative.md)")
     serve_p.add_argument("--speculative-num-draft", type=int, help="draft tokens a request verifies per step (1..16)")

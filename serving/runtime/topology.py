@@ -91,7 +91,7 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True):
     # events for less CPU per token; the first token and the last are sent at once
     stream_interval: int = 1
     # batch-invariant kernels (SGLang's --enable-deterministic-inference), on by default where tercet's
-    # CPU kernels build (they cost 1-4 %; 2x at 32-64 requests on AMX CPUs, docs/cpu-performance.md): a request's greedy output is the same whatever else runs,
+    # CPU kernels build (they cost 1-4 %): a request's greedy output is the same whatever else runs,
     # and a resumed stream continues with exactly its text; off on CUDA (not measured there)
     enable_deterministic_inference: bool = True
     # speculative decoding without a draft model (docs/speculative.md): "ngram" drafts a running request's
