@@ -24,6 +24,7 @@ import torch
 
 from actors import Actor, ActorChild, Context, StepWatchdog
 from transports import Refused
+from models import cpu_kernels
 from models.errors import ModelLoadError, NonFiniteLogits
 from models.loading import load_model, load_tokenizer, tiny_model
 from models.runner import ModelRunner, StepOutput
@@ -99,8 +100,10 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
                          deterministic=deterministic)
     projections = runner.model.projections()
     coded = sum(lin.codes is not None for lin in projections)
+    tiles = runner.dtype == torch.bfloat16 and runner.model.kernel and cpu_kernels.bf16_amx_serves()
     gemm = (f", tercet's {str(runner.dtype).removeprefix('torch.')} GEMM ({coded} of {len(projections)} projections "
-            "as GGUF block codes)" if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
+            f"as GGUF block codes{'; AMX tiles for products of 4 rows or more' if tiles else ''})"
+            if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
     log.info("model runner: %s (dtype %s), %s, %d threads%s%s; deterministic inference %s", runner.dtype,
              config.dtype, runner.device, torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm,
              _described(runner.invariance()) if runner.deterministic else "off")
