@@ -33,4 +33,22 @@ inline Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::
   return {panels, k, nibbles};
 }
 
+// P consecutive panels of packed codes from the first on: each one's codes, scales and offsets (a panel's
+// strides: `code_bytes`, and `groups` blocks of kPanel scales). Panels past `count` repeat the first
+// (computed, not stored): the kernels' register blocks keep their width at the end of a weight.
+template <int P, typename S>
+struct Panels {
+  const uint8_t* q[P];
+  const S* d[P];
+  const S* m[P];
+
+  Panels(const uint8_t* codes, const S* scales, const S* offsets, int64_t code_bytes, int64_t groups, int64_t count) {
+    for (int p = 0; p < P; ++p) {
+      const int64_t at = p < count ? p : 0;
+      q[p] = codes + at * code_bytes;
+      d[p] = scales + at * groups * kPanel, m[p] = offsets + at * groups * kPanel;
+    }
+  }
+};
+
 }  // namespace block_codes

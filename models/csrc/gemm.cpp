@@ -367,14 +367,7 @@ template <int R, int P, Codes C, typename S>
 void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
             int64_t count, float* y, int64_t ldc, int64_t cols, const float* bias) {
   constexpr int V = P * kVecs;
-  const uint8_t* q[P];
-  const S* ds[P];
-  const S* ms[P];
-  for (int p = 0; p < P; ++p) {
-    const int64_t at = p < count ? p : 0;
-    q[p] = codes + at * (k / per_byte(C)) * kPanel;
-    ds[p] = scales + at * (k / kGroup) * kPanel, ms[p] = offsets + at * (k / kGroup) * kPanel;
-  }
+  const block_codes::Panels<P, S> at(codes, scales, offsets, (k / per_byte(C)) * kPanel, k / kGroup, count);
   vec::vf c[R][V];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
@@ -385,8 +378,8 @@ void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, 
 #pragma GCC unroll 32
     for (int v = 0; v < V; ++v) {
       const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
-      vec::store(d + v * vec::kLanes, vec::load(ds[p] + g * kPanel + lane));
-      vec::store(m + v * vec::kLanes, vec::load(ms[p] + g * kPanel + lane));
+      vec::store(d + v * vec::kLanes, vec::load(at.d[p] + g * kPanel + lane));
+      vec::store(m + v * vec::kLanes, vec::load(at.m[p] + g * kPanel + lane));
     }
 #pragma GCC unroll 4
     for (int64_t i = g * kGroup; i < (g + 1) * kGroup; i += 2) {
@@ -400,7 +393,7 @@ void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, 
       for (int v = 0; v < V; ++v) {
         const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
         vec::vf q0, q1;
-        load_codes<C>(q[p], i, lane, q0, q1);
+        load_codes<C>(at.q[p], i, lane, q0, q1);
         const vec::vf dv = vec::load(d + v * vec::kLanes), mv = vec::load(m + v * vec::kLanes);
         const vec::vf w0 = rebuild<S>(q0, dv, mv);
 #pragma GCC unroll 32

@@ -270,14 +270,7 @@ template <int R, int P, Codes C, typename S>
 void direct(const uint32_t* x, int64_t ldx, const uint8_t* codes, const S* scales, const S* offsets, int64_t pairs,
             int64_t count, c10::BFloat16* y, int64_t ldc, int64_t cols, const float* bias) {
   const int64_t k = 2 * pairs, groups = k / kGroup;
-  const uint8_t* q[P];
-  const S* ds[P];
-  const S* ms[P];
-  for (int p = 0; p < P; ++p) {
-    const int64_t at = p < count ? p : 0;
-    q[p] = codes + at * (k / per_byte(C)) * kPanel;
-    ds[p] = scales + at * groups * kPanel, ms[p] = offsets + at * groups * kPanel;
-  }
+  const block_codes::Panels<P, S> at(codes, scales, offsets, (k / per_byte(C)) * kPanel, groups, count);
   __m512 c[R][P];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
@@ -286,12 +279,12 @@ void direct(const uint32_t* x, int64_t ldx, const uint8_t* codes, const S* scale
   for (int64_t g = 0; g < groups; ++g) {
     alignas(64) float dm[P][64];  // this group's d and m of each panel, fp32, in pair order
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) store_pair_scales(ds[p] + g * kPanel, ms[p] + g * kPanel, dm[p]);
+    for (int p = 0; p < P; ++p) store_pair_scales(at.d[p] + g * kPanel, at.m[p] + g * kPanel, dm[p]);
 #pragma GCC unroll 2
     for (int64_t i = g * kGroup / 2; i < (g + 1) * kGroup / 2; ++i) {
       __m512bh b[P];
 #pragma GCC unroll 32
-      for (int p = 0; p < P; ++p) b[p] = pair_weights<C, S>(q[p], i, dm[p]);
+      for (int p = 0; p < P; ++p) b[p] = pair_weights<C, S>(at.q[p], i, dm[p]);
 #pragma GCC unroll 32
       for (int r = 0; r < R; ++r) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + i]));
@@ -439,22 +432,15 @@ template <int R, int P, Codes C, typename S>
 void direct_tn(const uint32_t* x, int64_t ldx, const uint8_t* codes, const S* scales, const S* offsets,
                int64_t pairs, int64_t count, c10::BFloat16* y, int64_t ldc, int64_t cols, const float* bias) {
   const int64_t k = 2 * pairs, groups = k / kGroup;
-  const uint8_t* q[P];
-  const S* ds[P];
-  const S* ms[P];
-  for (int p = 0; p < P; ++p) {
-    const int64_t at = p < count ? p : 0;
-    q[p] = codes + at * (k / per_byte(C)) * kPanel;
-    ds[p] = scales + at * groups * kPanel, ms[p] = offsets + at * groups * kPanel;
-  }
+  const block_codes::Panels<P, S> at(codes, scales, offsets, (k / per_byte(C)) * kPanel, groups, count);
   alignas(64) float dm[P][64];  // the block's d and m of each panel, fp32, in pair order
   __m512 c[R][P];
   tile_chains<R, P, true>(
-      x, ldx, pairs, c, [&](int p, int64_t i) { return (__m512i)pair_weights<C, S>(q[p], i, dm[p]); },
+      x, ldx, pairs, c, [&](int p, int64_t i) { return (__m512i)pair_weights<C, S>(at.q[p], i, dm[p]); },
       [&](int64_t i0) {
         const int64_t g = i0 / kBlockPairs;
 #pragma GCC unroll 32
-        for (int p = 0; p < P; ++p) store_pair_scales(ds[p] + g * kPanel, ms[p] + g * kPanel, dm[p]);
+        for (int p = 0; p < P; ++p) store_pair_scales(at.d[p] + g * kPanel, at.m[p] + g * kPanel, dm[p]);
       });
   store_rows<R, P>(c, y, ldc, cols, bias);
 }
@@ -687,44 +673,42 @@ void codes_linear(const uint32_t* xp, int64_t m, const uint8_t* c, const S* d, c
                   int64_t pairs, int64_t n, const float* b, c10::BFloat16* out) {
   const int64_t k = 2 * pairs, sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's
 #if TERCET_TILE_NUMERICS
-  if (m <= kDirectTnRows) {  // straight from the codes
-    const int64_t width = direct_tn_panels(static_cast<int>(m));
-    at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
-        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
-        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        kDirectTn<C, S>[m - 1](xp, pairs, c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count,
-                               out + p * kPanel, n, cols, pb);
-      }
-    });
-    return;
-  }
-  project_tn(xp, m, pairs, panels, n, b, out, [&](int64_t p, int64_t count, std::vector<uint16_t>& buf) {
-    buf.resize(static_cast<size_t>(kTnPanels * pairs * 2 * kPanel));
-    decode_panels_tn<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count, buf.data());
-    return static_cast<const uint16_t*>(buf.data());
-  });
-  return;
+  constexpr int64_t direct_rows = kDirectTnRows;
+  const auto& directs = kDirectTn<C, S>;
+  const auto width_of = direct_tn_panels;
+#else
+  constexpr int64_t direct_rows = kDirectRows;
+  const auto& directs = kDirect<C, S>;
+  const auto width_of = direct_panels;
 #endif
-  if (m <= kDirectRows) {  // straight from the codes
-    const int64_t width = direct_panels(static_cast<int>(m));
+  if (m <= direct_rows) {  // straight from the codes
+    const int64_t width = width_of(static_cast<int>(m));
     at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
         const int64_t cols = std::min(count * kPanel, n - p * kPanel);
         const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        kDirect<C, S>[m - 1](xp, pairs, c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count,
-                             out + p * kPanel, n, cols, pb);
+        directs[m - 1](xp, pairs, c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count, out + p * kPanel, n,
+                       cols, pb);
       }
     });
     return;
   }
-  project(xp, m, pairs, panels, n, b, kCodeBlockRows, out, [&](int64_t p, int64_t count, std::vector<uint16_t>& buf) {
-    buf.resize(static_cast<size_t>(kPanels * pairs * 2 * kPanel));
+  // else each unit of panels decoded once per pass of rows into this thread's buffer, in the panels' layout
+  const auto decoded = [&](int64_t p, int64_t count, std::vector<uint16_t>& buf) {
+    buf.resize(static_cast<size_t>(count * pairs * 2 * kPanel));
+#if TERCET_TILE_NUMERICS
+    decode_panels_tn<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count, buf.data());
+#else
     decode_panels<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count, buf.data());
+#endif
     return static_cast<const uint16_t*>(buf.data());
-  });
+  };
+#if TERCET_TILE_NUMERICS
+  project_tn(xp, m, pairs, panels, n, b, out, decoded);
+#else
+  project(xp, m, pairs, panels, n, b, kCodeBlockRows, out, decoded);
+#endif
 }
 
 template <Codes C>
