@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -71,19 +72,35 @@ constexpr int64_t kSplit = 256;
 // (the exp-weighted values, not yet divided), then max [group], then sum [group].
 inline int64_t partial_size(int64_t group, int64_t dim) { return group * (dim + 2); }
 
-// The portable split: any head size, any instruction set.
+// Keys [lo, hi) of kv head h as floats, keys[t - lo][dim] and values alike: read once through the
+// page table for every row that attends them (a prefill chunk's rows share their sequence's keys).
+// Loading a bf16 or fp16 key as floats is exact, so each row's arithmetic is what it would be on
+// the cache itself.
 template <typename T>
-void split_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t begin,
-                  int64_t end, const Shape& s, int64_t h, float* scores, float* part) {
-  const int64_t group = s.heads / s.kv_heads, dim = s.dim, stride = s.kv_heads * dim, n = end - begin;
+void stage_scalar(const T* k_cache, const T* v_cache, const int32_t* pages, int64_t lo, int64_t hi, const Shape& s,
+                  int64_t h, float* keys, float* values) {
+  const int64_t dim = s.dim, stride = s.kv_heads * dim;
+  for (int64_t t = lo; t < hi; ++t) {
+    const int64_t at = slot_of(pages, t, s.page_size) * stride + h * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      keys[(t - lo) * dim + d] = to_float(k_cache[at + d]);
+      values[(t - lo) * dim + d] = to_float(v_cache[at + d]);
+    }
+  }
+}
+
+// The portable split: any head size, any instruction set. One row's `n` keys and values, staged.
+inline void split_scalar(const float* q, const float* keys, const float* values, int64_t n, const Shape& s,
+                         float* scores, float* part) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim;
   float* acc = part;
   float* top = part + group * dim;
   float* total = top + group;
   for (int64_t t = 0; t < n; ++t) {
-    const T* k = k_cache + slot_of(pages, begin + t, s.page_size) * stride + h * dim;
+    const float* k = keys + t * dim;
     for (int64_t g = 0; g < group; ++g) {
       float dot = 0.f;
-      for (int64_t d = 0; d < dim; ++d) dot += to_float(q[g * dim + d]) * s.scale * to_float(k[d]);
+      for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * k[d];  // q: times the scale already
       scores[g * kSplit + t] = capped(dot, s);
     }
   }
@@ -98,17 +115,38 @@ void split_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t*
     std::fill(acc + g * dim, acc + (g + 1) * dim, 0.f);
   }
   for (int64_t t = 0; t < n; ++t) {
-    const T* v = v_cache + slot_of(pages, begin + t, s.page_size) * stride + h * dim;
+    const float* v = values + t * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * kSplit + t];
-      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * to_float(v[d]);
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * v[d];
     }
   }
 }
 
+// One row's share of a split: its query heads (group x dim floats, times the scale), its keys
+// [first, end) of the split, and where its partial result goes
+struct RowSpan {
+  const float* q;
+  int64_t first, end;
+  float* part;
+};
+
+// Scores kept per (row, query head) while a split is attended: L floats of slack before and after
+// a row's kSplit, for the blocks of keys that start before its first key or end past its last
+inline int64_t score_stride() { return kSplit + 2 * 16; }
+
+// rows [count] of one split, the keys [lo, hi) staged (every row's keys among them)
+inline void split_rows_scalar(const RowSpan* rows, int64_t count, const float* keys, const float* values, int64_t lo,
+                              int64_t, const Shape& s, float* scores) {
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t skip = (rows[r].first - lo) * s.dim;
+    split_scalar(rows[r].q, keys + skip, values + skip, rows[r].end - rows[r].first, s, scores, rows[r].part);
+  }
+}
+
 template <typename T>
-using SplitFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t, const Shape&, int64_t,
-                         float*, float*);
+using StageFn = void (*)(const T*, const T*, const int32_t*, int64_t, int64_t, const Shape&, int64_t, float*, float*);
+using SplitFn = void (*)(const RowSpan*, int64_t, const float*, const float*, int64_t, int64_t, const Shape&, float*);
 
 #if TERCET_VEC
 constexpr int kAhead = 16;  // keys prefetched ahead: the hardware misses the per-head stride
@@ -119,96 +157,155 @@ inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
 }
-// The cache slots of keys [begin, end) through the page table, counted without a division per key
-inline void slots_of(const int32_t* pages, int64_t begin, int64_t end, int64_t page_size, int64_t* slots) {
-  int64_t page = begin / page_size, offset = begin % page_size;
-  for (int64_t t = 0; t < end - begin; ++t) {
-    slots[t] = static_cast<int64_t>(pages[page]) * page_size + offset;
-    if (++offset == page_size) offset = 0, ++page;
+
+// stage_scalar's keys and values, a vector at a time, walking the pages without a division per key
+template <typename T, int C>
+void stage_vec(const T* k_cache, const T* v_cache, const int32_t* pages, int64_t lo, int64_t hi, const Shape& s,
+               int64_t h, float* keys, float* values) {
+  const int64_t stride = s.kv_heads * C * L, n = hi - lo;
+  int64_t page = lo / s.page_size, offset = lo % s.page_size;
+  int64_t ahead_page = page, ahead_offset = offset;  // the slot kAhead keys on, prefetched
+  for (int64_t t = 0; t < std::min<int64_t>(kAhead, n); ++t)
+    if (++ahead_offset == s.page_size) ahead_offset = 0, ++ahead_page;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t at = (static_cast<int64_t>(pages[page]) * s.page_size + offset) * stride + h * C * L;
+    if (t + kAhead < n) {
+      const int64_t ahead = (static_cast<int64_t>(pages[ahead_page]) * s.page_size + ahead_offset) * stride + h * C * L;
+      prefetch(k_cache + ahead, C * L);
+      prefetch(v_cache + ahead, C * L);
+      if (++ahead_offset == s.page_size) ahead_offset = 0, ++ahead_page;
+    }
+    for (int c = 0; c < C; ++c) {
+      vec::store(keys + t * C * L + c * L, vec::load(k_cache + at + c * L));
+      vec::store(values + t * C * L + c * L, vec::load(v_cache + at + c * L));
+    }
+    if (++offset == s.page_size) offset = 0, ++page;
   }
 }
 
-// kv head h of the i-th key's slot as C vectors of L floats; prefetches the slot kAhead on (before `n`)
-template <typename T, int C>
-inline void load_head(const T* cache, const int64_t* slots, int64_t i, int64_t n, const Shape& s, int64_t h,
-                      vec::vf (&out)[C]) {
-  const int64_t stride = s.kv_heads * C * L;
-  const T* x = cache + slots[i] * stride + h * C * L;
-  if (i + kAhead < n) prefetch(cache + slots[i + kAhead] * stride + h * C * L, C * L);
-  for (int c = 0; c < C; ++c) out[c] = vec::load(x + c * L);
-}
+constexpr int kMaxGroup = 16;  // query heads per kv head
+// heads whose sums weigh_values keeps in registers at once (C vectors each, in 32 or 16 registers):
+// enough chains of fmadds to hide their latency
+template <int C>
+constexpr int kHeadsAtOnce = std::max(1, std::min(6, (L == 16 ? 24 : 12) / C));
 
-constexpr int kMaxGroup = 16;   // query heads per kv head
-
-// One split [begin, end) of keys for the query heads of kv head h: a score per key (one
-// vector of products over d, then its lanes added), the split's max, exp and sum (lane j
-// adding the keys at positions = j mod L: kSplit is a multiple of L), and the weighted
-// values in key order.
-template <typename T, int C>
-void split_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* pages, int64_t begin, int64_t end,
-               const Shape& s, int64_t h, float* scores, float* part) {
+// acc[h] += the m values weighted by head h's weights, key after key, for H heads at once (their
+// weights score_stride() apart, their sums C * L apart)
+template <int C, int H>
+inline void weigh_values(const float* weights, const float* values, int64_t m, float* part) {
   using namespace vec;
-  const int64_t group = s.heads / s.kv_heads, dim = C * L, n = end - begin;
-  const int64_t padded = (n + L - 1) / L * L;
-  int64_t slots[kSplit];
-  slots_of(pages, begin, end, s.page_size, slots);
-  vf query[kMaxGroup][C];
-  for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c) query[g][c] = mul(load(q + g * dim + c * L), set1(s.scale));
-  for (int64_t i = 0; i < n; ++i) {
-    vf key[C];
-    load_head<T, C>(k_cache, slots, i, n, s, h, key);
+  vf acc[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = load(part + h * C * L + c * L);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int h = 0; h < H; ++h) {
+      const vf p = set1(weights[h * score_stride() + i]);
+      for (int c = 0; c < C; ++c) acc[h][c] = fmadd(p, load(values + i * C * L + c * L), acc[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) store(part + h * C * L + c * L, acc[h][c]);
+}
+
+// One split for rows [count] of a sequence, its keys [lo, hi) staged, taken a block of L keys at a
+// time by every row (the block stays in L1 while all rows read it). Per row and query head, as if
+// the row were alone: a score per key (a vector of products over d, its lanes added in
+// reduce_add's tree: reduce_lanes does L keys' at once, each with the same additions), the row's
+// max, exp and sum over its n keys (lane j adding the keys at positions = j mod L: kSplit is a
+// multiple of L), and the weighted values in key order. A key's score, a lane's sum and a
+// value's chain of fmadds do not depend on how the keys were blocked or which rows came along.
+template <int C>
+void split_vec(const RowSpan* rows, int64_t count, const float* keys, const float* values, int64_t lo, int64_t hi,
+               const Shape& s, float* scores) {
+  using namespace vec;
+  static_assert(L <= 16, "score_stride's slack");
+  const int64_t group = s.heads / s.kv_heads, dim = C * L, stride = score_stride();
+  // row r's head g's scores: the row's key `first + u` at u (slack before 0 and after the row's keys)
+  const auto scores_of = [&](int64_t r, int64_t g) { return scores + (r * group + g) * stride + L; };
+  for (int64_t t0 = lo; t0 < hi; t0 += L) {
+    const int64_t m = std::min<int64_t>(L, hi - t0);
+    const float* block = keys + (t0 - lo) * dim;
+    const auto dot = [&](const vf (&q_g)[C], int64_t i) {
+      const float* k = block + i * dim;
+      vf d = mul(q_g[0], load(k));
+      for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(k + c * L), d);
+      return d;
+    };
+    for (int64_t r = 0; r < count; ++r) {
+      if (t0 + L <= rows[r].first || t0 >= rows[r].end) continue;  // none of the row's keys
+      for (int64_t g = 0; g < group; ++g) {
+        vf q_g[C];
+        for (int c = 0; c < C; ++c) q_g[c] = load(rows[r].q + g * dim + c * L);
+        vf dots[L];
+        if (m == L) {
+#pragma GCC unroll 16
+          for (int i = 0; i < L; ++i) dots[i] = dot(q_g, i);
+        } else {  // past the staged keys: zeros (past the row's keys, scores are set to -inf below)
+          for (int i = 0; i < L; ++i) dots[i] = i < m ? dot(q_g, i) : zero();
+        }
+        store(scores_of(r, g) + (t0 - rows[r].first), reduce_lanes(dots));
+      }
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t n = rows[r].end - rows[r].first, padded = (n + L - 1) / L * L;
+    float* top = rows[r].part + group * dim;
+    float* total = top + group;
     for (int64_t g = 0; g < group; ++g) {
-      vf dot = mul(query[g][0], key[0]);
-      for (int c = 1; c < C; ++c) dot = fmadd(query[g][c], key[c], dot);
-      scores[g * kSplit + i] = capped(reduce_add(dot), s);
+      float* row = scores_of(r, g);
+      if (s.softcap > 0.f)
+        for (int64_t i = 0; i < n; ++i) row[i] = capped(row[i], s);
+      std::fill(row + n, row + padded, -INFINITY);
+      vf best = set1(-INFINITY);
+      for (int64_t t = 0; t < padded; t += L) best = max(best, load(row + t));
+      top[g] = reduce_max(best);
+      const vf mx = set1(top[g]);
+      vf sum = zero();
+      for (int64_t t = 0; t < padded; t += L) {
+        const vf e = vec::exp(sub(load(row + t), mx));
+        store(row + t, e);
+        sum = add(sum, e);
+      }
+      total[g] = reduce_add(sum);
+      for (int c = 0; c < C; ++c) store(rows[r].part + g * dim + c * L, zero());
     }
   }
-  float* top = part + group * dim;
-  float* total = top + group;
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * kSplit;
-    std::fill(row + n, row + padded, -INFINITY);
-    vf best = set1(-INFINITY);
-    for (int64_t t = 0; t < padded; t += L) best = max(best, load(row + t));
-    top[g] = reduce_max(best);
-    const vf m = set1(top[g]);
-    vf sum = zero();
-    for (int64_t t = 0; t < padded; t += L) {
-      const vf e = vec::exp(sub(load(row + t), m));
-      store(row + t, e);
-      sum = add(sum, e);
-    }
-    total[g] = reduce_add(sum);
-  }
-  vf acc[kMaxGroup][C];
-  for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = zero();
-  for (int64_t i = 0; i < n; ++i) {
-    vf value[C];
-    load_head<T, C>(v_cache, slots, i, n, s, h, value);
-    for (int64_t g = 0; g < group; ++g) {
-      const vf p = set1(scores[g * kSplit + i]);
-      for (int c = 0; c < C; ++c) acc[g][c] = fmadd(p, value[c], acc[g][c]);
+  for (int64_t t0 = lo; t0 < hi; t0 += L) {
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t a = std::max(t0, rows[r].first), b = std::min(std::min(t0 + L, hi), rows[r].end);
+      if (a >= b) continue;
+      for (int64_t g = 0; g < group;) {  // the heads' sums in registers over the block, a few heads at a time
+        const int64_t heads = std::min<int64_t>(group - g, kHeadsAtOnce<C>);
+        const float* weights = scores_of(r, g) + (a - rows[r].first);
+        const float* from = values + (a - lo) * dim;
+        float* sums = rows[r].part + g * dim;
+        switch (heads) {
+          case 1: weigh_values<C, 1>(weights, from, b - a, sums); break;
+          case 2: weigh_values<C, 2>(weights, from, b - a, sums); break;
+          case 3: weigh_values<C, 3>(weights, from, b - a, sums); break;
+          case 4: weigh_values<C, 4>(weights, from, b - a, sums); break;
+          case 5: weigh_values<C, 5>(weights, from, b - a, sums); break;
+          default: weigh_values<C, 6>(weights, from, b - a, sums); break;
+        }
+        g += heads;
+      }
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < C; ++c) store(part + g * dim + c * L, acc[g][c]);
 }
 
 template <typename T>
-SplitFn<T> vector_path(int64_t dim, int64_t group) {
-  if (group > kMaxGroup) return nullptr;
+bool vector_path(int64_t dim, int64_t group, StageFn<T>& stage, SplitFn& split) {
+  if (group > kMaxGroup) return false;
   switch (dim) {
-    case 64: return split_vec<T, 64 / L>;
-    case 128: return split_vec<T, 128 / L>;
-    case 256: return split_vec<T, 256 / L>;
-    default: return nullptr;
+    case 64: stage = stage_vec<T, 64 / L>, split = split_vec<64 / L>; return true;
+    case 128: stage = stage_vec<T, 128 / L>, split = split_vec<128 / L>; return true;
+    case 256: stage = stage_vec<T, 256 / L>, split = split_vec<256 / L>; return true;
+    default: return false;
   }
 }
 #else
 template <typename T>
-SplitFn<T> vector_path(int64_t, int64_t) { return nullptr; }
+bool vector_path(int64_t, int64_t, StageFn<T>&, SplitFn&) { return false; }
 #endif
 
 // The splits of one (row, kv head) folded in order: out = sum_j w_j acc_j / sum_j w_j sum_j,
@@ -235,54 +332,103 @@ void fold(const float* parts, int64_t splits, int64_t group, int64_t dim, T* out
 
 inline int64_t splits_of(int64_t len) { return (len + kSplit - 1) / kSplit; }
 
+// Rows of one sequence next to each other (a prefill chunk's) go through each split together: its
+// keys and values staged once for up to kBlockRows rows.
+constexpr int64_t kBlockRows = 16;
+
 // Every row: its query heads against its sequence's first `lens[row]` keys, through the
-// sequence's page table. Work goes to threads by (row, kv head), or, when those are too few
-// to keep the threads busy (a few long decode rows), by (row, kv head, split): the same
-// splits and the same fold either way.
+// sequence's page table. Work goes to threads by (block of rows, kv head), the costliest first and
+// each thread taking the next when it is done; or, when those are too few to keep the threads busy
+// (a few long decode rows), by (row, kv head, split): the same splits and the same fold either way.
 template <typename T>
 void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* page_table, const int32_t* seq_of,
                  const int32_t* lens, T* out, int64_t rows, const Shape& s) {
-  const int64_t group = s.heads / s.kv_heads, size = partial_size(group, s.dim);
-  SplitFn<T> split = vector_path<T>(s.dim, group);
-  if (split == nullptr) split = split_scalar<T>;
-  const auto query = [&](int64_t row, int64_t h) { return q + (row * s.heads + h * group) * s.dim; };
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim, size = partial_size(group, dim);
+  StageFn<T> stage = stage_scalar<T>;
+  SplitFn split = split_rows_scalar;
+  vector_path<T>(dim, group, stage, split);
   const auto pages = [&](int64_t row) { return page_table + static_cast<int64_t>(seq_of[row]) * s.max_pages; };
-  const int64_t items = rows * s.kv_heads;
+  // a row's query heads of kv head h, as floats times the scale (what the split multiplies by)
+  const auto scaled = [&](int64_t row, int64_t h, float* to) {
+    const T* from = q + (row * s.heads + h * group) * dim;
+    for (int64_t i = 0; i < group * dim; ++i) to[i] = to_float(from[i]) * s.scale;
+  };
+  // keys [first, end) of split j for a row of `len` keys
+  const auto range = [&](int64_t len, int64_t j) {
+    return std::pair<int64_t, int64_t>{std::max(first_key(len, s), j * kSplit), std::min(len, (j + 1) * kSplit)};
+  };
   int64_t most = 0;
   for (int64_t r = 0; r < rows; ++r) most = std::max<int64_t>(most, splits_of(lens[r]));
-  if (most <= 1 || items >= 2 * at::get_num_threads()) {
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(static_cast<size_t>(group * kSplit)), parts;
-      for (int64_t item = begin; item < end; ++item) {
-        // kv head-major: a thread's consecutive items share a head, so its keys stay in L2 across the
-        // rows of a prefill chunk (row-major items cycle through every head's keys)
-        const int64_t h = item / rows, row = item % rows, len = lens[row], n = splits_of(len);
-        const int64_t start = first_key(len, s), j0 = start / kSplit;
-        parts.resize(static_cast<size_t>(n * size));
-        for (int64_t j = j0; j < n; ++j)
-          split(query(row, h), k_cache, v_cache, pages(row), std::max(start, j * kSplit),
-                std::min(len, (j + 1) * kSplit), s, h, scores.data(), parts.data() + j * size);
-        fold<T>(parts.data() + j0 * size, n - j0, group, s.dim, out + (row * s.heads + h * group) * s.dim);
+  std::vector<int64_t> blocks{0};  // row where each block starts, then rows
+  for (int64_t r = 1; r < rows; ++r)
+    if (seq_of[r] != seq_of[r - 1] || r - blocks.back() == kBlockRows) blocks.push_back(r);
+  blocks.push_back(rows);
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size()) - 1, items = num_blocks * s.kv_heads;
+  const int64_t threads = at::get_num_threads();
+  if (most <= 1 || rows * s.kv_heads >= 2 * threads) {
+    std::vector<int64_t> order(static_cast<size_t>(items)), cost(static_cast<size_t>(num_blocks), 0);
+    for (int64_t b = 0; b < num_blocks; ++b)
+      for (int64_t r = blocks[b]; r < blocks[b + 1]; ++r) cost[b] += lens[r] - first_key(lens[r], s);
+    for (int64_t i = 0; i < items; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return cost[a / s.kv_heads] > cost[b / s.kv_heads];
+    });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> keys(static_cast<size_t>(kSplit * dim)), values(keys.size());
+      std::vector<float> scores(static_cast<size_t>(kBlockRows * group * score_stride()));
+      std::vector<float> query(static_cast<size_t>(kBlockRows * group * dim));
+      std::vector<float> parts(static_cast<size_t>(kBlockRows * most * size));
+      RowSpan spans[kBlockRows];
+      for (int64_t i = next++; i < items; i = next++) {
+        const int64_t b = order[i] / s.kv_heads, h = order[i] % s.kv_heads, r0 = blocks[b], r1 = blocks[b + 1];
+        int64_t j0 = most, j1 = 0;
+        for (int64_t r = r0; r < r1; ++r) {
+          j0 = std::min(j0, first_key(lens[r], s) / kSplit), j1 = std::max(j1, splits_of(lens[r]));
+          scaled(r, h, query.data() + (r - r0) * group * dim);
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          int64_t lo = (j + 1) * kSplit, hi = j * kSplit, count = 0;  // the keys the block's rows read in split j
+          for (int64_t r = r0; r < r1; ++r) {
+            const auto [first, end] = range(lens[r], j);
+            if (first >= end) continue;
+            lo = std::min(lo, first), hi = std::max(hi, end);
+            spans[count++] = {query.data() + (r - r0) * group * dim, first, end,
+                              parts.data() + ((r - r0) * most + j) * size};
+          }
+          if (count == 0) continue;
+          stage(k_cache, v_cache, pages(r0), lo, hi, s, h, keys.data(), values.data());
+          split(spans, count, keys.data(), values.data(), lo, hi, s, scores.data());
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t first = first_key(lens[r], s) / kSplit;
+          fold<T>(parts.data() + ((r - r0) * most + first) * size, splits_of(lens[r]) - first, group, dim,
+                  out + (r * s.heads + h * group) * dim);
+        }
       }
     });
     return;
   }
-  std::vector<float> parts(static_cast<size_t>(items * most * size));
-  at::parallel_for(0, items * most, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(group * kSplit));
+  const int64_t tasks = rows * s.kv_heads * most;
+  std::vector<float> parts(static_cast<size_t>(tasks * size));
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys(static_cast<size_t>(kSplit * dim)), values(keys.size());
+    std::vector<float> scores(static_cast<size_t>(group * score_stride())), query(static_cast<size_t>(group * dim));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task / most, j = task % most, row = item / s.kv_heads, h = item % s.kv_heads;
-      const int64_t len = lens[row], start = first_key(len, s);
-      if (j * kSplit >= len || (j + 1) * kSplit <= start) continue;
-      split(query(row, h), k_cache, v_cache, pages(row), std::max(start, j * kSplit), std::min(len, (j + 1) * kSplit),
-            s, h, scores.data(), parts.data() + task * size);
+      const auto [first, last] = range(lens[row], j);
+      if (first >= last) continue;
+      stage(k_cache, v_cache, pages(row), first, last, s, h, keys.data(), values.data());
+      scaled(row, h, query.data());
+      const RowSpan span{query.data(), first, last, parts.data() + task * size};
+      split(&span, 1, keys.data(), values.data(), first, last, s, scores.data());
     }
   });
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / s.kv_heads, h = item % s.kv_heads, j0 = first_key(lens[row], s) / kSplit;
-      fold<T>(parts.data() + (item * most + j0) * size, splits_of(lens[row]) - j0, group, s.dim,
-              out + (row * s.heads + h * group) * s.dim);
+      fold<T>(parts.data() + (item * most + j0) * size, splits_of(lens[row]) - j0, group, dim,
+              out + (row * s.heads + h * group) * dim);
     }
   });
 }

@@ -68,8 +68,34 @@ inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c, one rounding
 inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
-inline float reduce_add(vf x) { return _mm512_reduce_add_ps(x); }
+// The lanes added as halves pairwise: (i + 8), then (i + 4), (i + 2), (0 + 1) -- GCC's
+// _mm512_reduce_add_ps, written out so that reduce_lanes below can keep its order
+inline float reduce_add(vf x) {
+  const __m256 s8 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)),
+                                  _mm512_castps512_ps256(x));
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 inline float reduce_max(vf x) { return _mm512_reduce_max_ps(x); }
+// out[j] = reduce_add(x[j]) for the 16 vectors x, bit for bit (each lane's sum is the same
+// additions in the same tree, four levels done for all vectors at once): 15 adds and 31
+// shuffles for 16 sums, not 16 horizontal reductions
+inline vf reduce_lanes(const vf (&x)[16]) {
+  vf w[8], u[4], z[2];
+  for (int j = 0; j < 8; ++j)  // [a | b] quarters: (a0 a1 b0 b1) + (a2 a3 b2 b3): lane i + 8 of each
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // quarter q of u[j]: vector 4j + q's four lanes, i + 4 added
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)  // quarter q of z[j]: vectors 8j + q, 8j + 4 + q, two lanes each (i + 2)
+    z[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
+  // lane 4q + m: vector q + 4m (0 + 1); then put in vector order
+  const vf t = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
 
 inline vm greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 inline vf select(vm m, vf if_false, vf if_true) { return _mm512_mask_mov_ps(if_false, m, if_true); }
@@ -141,6 +167,19 @@ inline float reduce_add(vf x) {  // halves added pairwise: (0+4, 1+5, 2+6, 3+7),
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+// out[j] = reduce_add(x[j]) for the 8 vectors x, bit for bit (the same tree for all at once)
+inline vf reduce_lanes(const vf (&x)[8]) {
+  vf w[4], z[2];
+  for (int j = 0; j < 4; ++j)  // [a | b] halves: lane i + 4 of each
+    w[j] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * j], x[2 * j + 1], 0x20),
+                         _mm256_permute2f128_ps(x[2 * j], x[2 * j + 1], 0x31));
+  for (int j = 0; j < 2; ++j)  // half h of z[j]: vectors 4j + h, 4j + 2 + h, two lanes each (i + 2)
+    z[j] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * j], w[2 * j + 1], 0x44),
+                         _mm256_shuffle_ps(w[2 * j], w[2 * j + 1], 0xEE));
+  // lane 4h + m: vector 2m + h (0 + 1); then put in vector order
+  const vf t = _mm256_add_ps(_mm256_shuffle_ps(z[0], z[1], 0x88), _mm256_shuffle_ps(z[0], z[1], 0xDD));
+  return _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 inline float reduce_max(vf x) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
