@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -72,24 +73,7 @@ constexpr int64_t kSplit = 256;
 // (the exp-weighted values, not yet divided), then max [group], then sum [group].
 inline int64_t partial_size(int64_t group, int64_t dim) { return group * (dim + 2); }
 
-// Keys [lo, hi) of kv head h as floats, keys[t - lo][dim] and values alike: read once through the
-// page table for every row that attends them (a prefill chunk's rows share their sequence's keys).
-// Loading a bf16 or fp16 key as floats is exact, so each row's arithmetic is what it would be on
-// the cache itself.
-template <typename T>
-void stage_scalar(const T* k_cache, const T* v_cache, const int32_t* pages, int64_t lo, int64_t hi, const Shape& s,
-                  int64_t h, float* keys, float* values) {
-  const int64_t dim = s.dim, stride = s.kv_heads * dim;
-  for (int64_t t = lo; t < hi; ++t) {
-    const int64_t at = slot_of(pages, t, s.page_size) * stride + h * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      keys[(t - lo) * dim + d] = to_float(k_cache[at + d]);
-      values[(t - lo) * dim + d] = to_float(v_cache[at + d]);
-    }
-  }
-}
-
-// The portable split: any head size, any instruction set. One row's `n` keys and values, staged.
+// The portable split: any head size, any instruction set. One row's `n` keys and values, as floats.
 inline void split_scalar(const float* q, const float* keys, const float* values, int64_t n, const Shape& s,
                          float* scores, float* part) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim;
@@ -131,25 +115,61 @@ struct RowSpan {
   float* part;
 };
 
-// Scores kept per (row, query head) while a split is attended: L floats of slack before and after
+// One layer's cache as the splits read it: kv head h of key t at (slot of t) * kv_heads * dim + h * dim
+template <typename T>
+struct Cache {
+  const T* k;
+  const T* v;
+  const int32_t* pages;  // the sequence's row of the page table
+};
+
+// A thread's buffers, kept from call to call (grown, never cleared: every float is written before it is read)
+struct Buffer {
+  std::unique_ptr<float[]> data;
+  int64_t size = 0;
+  float* at_least(int64_t n) {
+    if (n > size) data.reset(new float[static_cast<size_t>(n)]), size = n;
+    return data.get();
+  }
+};
+struct Scratch {
+  Buffer keys, values, scores, query, parts;
+};
+inline Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+// Scores kept per (row, query head) while a split is attended: 16 floats of slack before and after
 // a row's kSplit, for the blocks of keys that start before its first key or end past its last
 inline int64_t score_stride() { return kSplit + 2 * 16; }
 
-// rows [count] of one split, the keys [lo, hi) staged (every row's keys among them)
-inline void split_rows_scalar(const RowSpan* rows, int64_t count, const float* keys, const float* values, int64_t lo,
-                              int64_t, const Shape& s, float* scores) {
+// Rows [count] of one split of kv head h, every row's keys among [lo, hi): the portable path reads
+// the keys and values once as floats (exact), then each row alone.
+template <typename T>
+void split_rows_scalar(const RowSpan* rows, int64_t count, const Cache<T>& cache, int64_t h, int64_t lo, int64_t hi,
+                       const Shape& s, Scratch& scratch) {
+  const int64_t dim = s.dim, stride = s.kv_heads * dim;
+  float* keys = scratch.keys.at_least(kSplit * dim);
+  float* values = scratch.values.at_least(kSplit * dim);
+  for (int64_t t = lo; t < hi; ++t) {
+    const int64_t at = slot_of(cache.pages, t, s.page_size) * stride + h * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      keys[(t - lo) * dim + d] = to_float(cache.k[at + d]);
+      values[(t - lo) * dim + d] = to_float(cache.v[at + d]);
+    }
+  }
+  float* scores = scratch.scores.at_least(s.heads / s.kv_heads * kSplit);
   for (int64_t r = 0; r < count; ++r) {
-    const int64_t skip = (rows[r].first - lo) * s.dim;
+    const int64_t skip = (rows[r].first - lo) * dim;
     split_scalar(rows[r].q, keys + skip, values + skip, rows[r].end - rows[r].first, s, scores, rows[r].part);
   }
 }
 
 template <typename T>
-using StageFn = void (*)(const T*, const T*, const int32_t*, int64_t, int64_t, const Shape&, int64_t, float*, float*);
-using SplitFn = void (*)(const RowSpan*, int64_t, const float*, const float*, int64_t, int64_t, const Shape&, float*);
+using SplitFn = void (*)(const RowSpan*, int64_t, const Cache<T>&, int64_t, int64_t, int64_t, const Shape&, Scratch&);
 
 #if TERCET_VEC
-constexpr int kAhead = 16;  // keys prefetched ahead: the hardware misses the per-head stride
 constexpr int L = vec::kLanes;
 
 template <typename T>
@@ -157,29 +177,25 @@ inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
 }
+// The cache slots of keys [begin, end) through the page table, counted without a division per key
+inline void slots_of(const int32_t* pages, int64_t begin, int64_t end, int64_t page_size, int64_t* slots) {
+  int64_t page = begin / page_size, offset = begin % page_size;
+  for (int64_t t = 0; t < end - begin; ++t) {
+    slots[t] = static_cast<int64_t>(pages[page]) * page_size + offset;
+    if (++offset == page_size) offset = 0, ++page;
+  }
+}
 
-// stage_scalar's keys and values, a vector at a time, walking the pages without a division per key
+// m keys' (or values') head as floats into block [L][C * L] (exact), from their slots; the next
+// block's prefetched (the hardware misses the per-head stride)
 template <typename T, int C>
-void stage_vec(const T* k_cache, const T* v_cache, const int32_t* pages, int64_t lo, int64_t hi, const Shape& s,
-               int64_t h, float* keys, float* values) {
-  const int64_t stride = s.kv_heads * C * L, n = hi - lo;
-  int64_t page = lo / s.page_size, offset = lo % s.page_size;
-  int64_t ahead_page = page, ahead_offset = offset;  // the slot kAhead keys on, prefetched
-  for (int64_t t = 0; t < std::min<int64_t>(kAhead, n); ++t)
-    if (++ahead_offset == s.page_size) ahead_offset = 0, ++ahead_page;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t at = (static_cast<int64_t>(pages[page]) * s.page_size + offset) * stride + h * C * L;
-    if (t + kAhead < n) {
-      const int64_t ahead = (static_cast<int64_t>(pages[ahead_page]) * s.page_size + ahead_offset) * stride + h * C * L;
-      prefetch(k_cache + ahead, C * L);
-      prefetch(v_cache + ahead, C * L);
-      if (++ahead_offset == s.page_size) ahead_offset = 0, ++ahead_page;
-    }
-    for (int c = 0; c < C; ++c) {
-      vec::store(keys + t * C * L + c * L, vec::load(k_cache + at + c * L));
-      vec::store(values + t * C * L + c * L, vec::load(v_cache + at + c * L));
-    }
-    if (++offset == s.page_size) offset = 0, ++page;
+inline void stage(const T* cache, const int64_t* slots, int64_t m, int64_t next, const Shape& s, int64_t h,
+                  float (&block)[L][C * L]) {
+  const int64_t stride = s.kv_heads * C * L;
+  for (int64_t i = 0; i < next; ++i) prefetch(cache + slots[m + i] * stride + h * C * L, C * L);
+  for (int64_t i = 0; i < m; ++i) {
+    const T* x = cache + slots[i] * stride + h * C * L;
+    for (int c = 0; c < C; ++c) vec::store(block[i] + c * L, vec::load(x + c * L));
   }
 }
 
@@ -207,28 +223,36 @@ inline void weigh_values(const float* weights, const float* values, int64_t m, f
     for (int c = 0; c < C; ++c) store(part + h * C * L + c * L, acc[h][c]);
 }
 
-// One split for rows [count] of a sequence, its keys [lo, hi) staged, taken a block of L keys at a
-// time by every row (the block stays in L1 while all rows read it). Per row and query head, as if
-// the row were alone: a score per key (a vector of products over d, its lanes added in
-// reduce_add's tree: reduce_lanes does L keys' at once, each with the same additions), the row's
-// max, exp and sum over its n keys (lane j adding the keys at positions = j mod L: kSplit is a
-// multiple of L), and the weighted values in key order. A key's score, a lane's sum and a
-// value's chain of fmadds do not depend on how the keys were blocked or which rows came along.
-template <int C>
-void split_vec(const RowSpan* rows, int64_t count, const float* keys, const float* values, int64_t lo, int64_t hi,
-               const Shape& s, float* scores) {
+// One split of kv head h for rows [count] of a sequence, every row's keys among [lo, hi), taken a
+// block of L keys at a time: the block's keys read once as floats into L1 (exact), then by every
+// row; likewise its values. Per row and query head, as if the row were alone: a score per key (a
+// vector of products over d, its lanes added in reduce_add's tree: reduce_lanes does L keys' at
+// once, each with the same additions), the row's max, exp and sum over its n keys (lane j adding
+// the keys at positions = j mod L: kSplit is a multiple of L), and the weighted values in key
+// order. A key's score, a lane's sum and a value's chain of fmadds do not depend on how the keys
+// were blocked or which rows came along.
+template <typename T, int C>
+void split_vec(const RowSpan* rows, int64_t count, const Cache<T>& cache, int64_t h, int64_t lo, int64_t hi,
+               const Shape& s, Scratch& scratch) {
   using namespace vec;
   static_assert(L <= 16, "score_stride's slack");
   const int64_t group = s.heads / s.kv_heads, dim = C * L, stride = score_stride();
+  float* scores = scratch.scores.at_least(count * group * stride);
   // row r's head g's scores: the row's key `first + u` at u (slack before 0 and after the row's keys)
   const auto scores_of = [&](int64_t r, int64_t g) { return scores + (r * group + g) * stride + L; };
-  for (int64_t t0 = lo; t0 < hi; t0 += L) {
+  int64_t slots[kSplit];
+  slots_of(cache.pages, lo, hi, s.page_size, slots);
+  alignas(64) float block[L][C * L];
+  const auto staged = [&](const T* from, int64_t t0) {  // keys or values [t0, t0 + m) into block; m
     const int64_t m = std::min<int64_t>(L, hi - t0);
-    const float* block = keys + (t0 - lo) * dim;
+    stage<T, C>(from, slots + (t0 - lo), m, std::min<int64_t>(L, hi - t0 - m), s, h, block);
+    return m;
+  };
+  for (int64_t t0 = lo; t0 < hi; t0 += L) {
+    const int64_t m = staged(cache.k, t0);
     const auto dot = [&](const vf (&q_g)[C], int64_t i) {
-      const float* k = block + i * dim;
-      vf d = mul(q_g[0], load(k));
-      for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(k + c * L), d);
+      vf d = mul(q_g[0], load(block[i]));
+      for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(block[i] + c * L), d);
       return d;
     };
     for (int64_t r = 0; r < count; ++r) {
@@ -240,7 +264,7 @@ void split_vec(const RowSpan* rows, int64_t count, const float* keys, const floa
         if (m == L) {
 #pragma GCC unroll 16
           for (int i = 0; i < L; ++i) dots[i] = dot(q_g, i);
-        } else {  // past the staged keys: zeros (past the row's keys, scores are set to -inf below)
+        } else {  // past the split's keys: zeros (past the row's keys, scores are set to -inf below)
           for (int i = 0; i < L; ++i) dots[i] = i < m ? dot(q_g, i) : zero();
         }
         store(scores_of(r, g) + (t0 - rows[r].first), reduce_lanes(dots));
@@ -271,13 +295,14 @@ void split_vec(const RowSpan* rows, int64_t count, const float* keys, const floa
     }
   }
   for (int64_t t0 = lo; t0 < hi; t0 += L) {
+    const int64_t m = staged(cache.v, t0);
     for (int64_t r = 0; r < count; ++r) {
-      const int64_t a = std::max(t0, rows[r].first), b = std::min(std::min(t0 + L, hi), rows[r].end);
+      const int64_t a = std::max(t0, rows[r].first), b = std::min(t0 + m, rows[r].end);
       if (a >= b) continue;
       for (int64_t g = 0; g < group;) {  // the heads' sums in registers over the block, a few heads at a time
         const int64_t heads = std::min<int64_t>(group - g, kHeadsAtOnce<C>);
         const float* weights = scores_of(r, g) + (a - rows[r].first);
-        const float* from = values + (a - lo) * dim;
+        const float* from = block[a - t0];
         float* sums = rows[r].part + g * dim;
         switch (heads) {
           case 1: weigh_values<C, 1>(weights, from, b - a, sums); break;
@@ -294,18 +319,18 @@ void split_vec(const RowSpan* rows, int64_t count, const float* keys, const floa
 }
 
 template <typename T>
-bool vector_path(int64_t dim, int64_t group, StageFn<T>& stage, SplitFn& split) {
-  if (group > kMaxGroup) return false;
+SplitFn<T> vector_path(int64_t dim, int64_t group) {
+  if (group > kMaxGroup) return nullptr;
   switch (dim) {
-    case 64: stage = stage_vec<T, 64 / L>, split = split_vec<64 / L>; return true;
-    case 128: stage = stage_vec<T, 128 / L>, split = split_vec<128 / L>; return true;
-    case 256: stage = stage_vec<T, 256 / L>, split = split_vec<256 / L>; return true;
-    default: return false;
+    case 64: return split_vec<T, 64 / L>;
+    case 128: return split_vec<T, 128 / L>;
+    case 256: return split_vec<T, 256 / L>;
+    default: return nullptr;
   }
 }
 #else
 template <typename T>
-bool vector_path(int64_t, int64_t, StageFn<T>&, SplitFn&) { return false; }
+SplitFn<T> vector_path(int64_t, int64_t) { return nullptr; }
 #endif
 
 // The splits of one (row, kv head) folded in order: out = sum_j w_j acc_j / sum_j w_j sum_j,
@@ -344,10 +369,11 @@ template <typename T>
 void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* page_table, const int32_t* seq_of,
                  const int32_t* lens, T* out, int64_t rows, const Shape& s) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, size = partial_size(group, dim);
-  StageFn<T> stage = stage_scalar<T>;
-  SplitFn split = split_rows_scalar;
-  vector_path<T>(dim, group, stage, split);
-  const auto pages = [&](int64_t row) { return page_table + static_cast<int64_t>(seq_of[row]) * s.max_pages; };
+  SplitFn<T> split = vector_path<T>(dim, group);
+  if (split == nullptr) split = split_rows_scalar<T>;
+  const auto cache_of = [&](int64_t row) {
+    return Cache<T>{k_cache, v_cache, page_table + static_cast<int64_t>(seq_of[row]) * s.max_pages};
+  };
   // a row's query heads of kv head h, as floats times the scale (what the split multiplies by)
   const auto scaled = [&](int64_t row, int64_t h, float* to) {
     const T* from = q + (row * s.heads + h * group) * dim;
@@ -370,22 +396,22 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     for (int64_t b = 0; b < num_blocks; ++b)
       for (int64_t r = blocks[b]; r < blocks[b + 1]; ++r) cost[b] += lens[r] - first_key(lens[r], s);
     for (int64_t i = 0; i < items; ++i) order[i] = i;
+    // costliest first; kv head-major among equals, so that a thread's consecutive items share a head
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
       return cost[a / s.kv_heads] > cost[b / s.kv_heads];
     });
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> keys(static_cast<size_t>(kSplit * dim)), values(keys.size());
-      std::vector<float> scores(static_cast<size_t>(kBlockRows * group * score_stride()));
-      std::vector<float> query(static_cast<size_t>(kBlockRows * group * dim));
-      std::vector<float> parts(static_cast<size_t>(kBlockRows * most * size));
+      Scratch& scratch = thread_scratch();
+      float* query = scratch.query.at_least(kBlockRows * group * dim);
+      float* parts = scratch.parts.at_least(kBlockRows * most * size);
       RowSpan spans[kBlockRows];
       for (int64_t i = next++; i < items; i = next++) {
         const int64_t b = order[i] / s.kv_heads, h = order[i] % s.kv_heads, r0 = blocks[b], r1 = blocks[b + 1];
         int64_t j0 = most, j1 = 0;
         for (int64_t r = r0; r < r1; ++r) {
           j0 = std::min(j0, first_key(lens[r], s) / kSplit), j1 = std::max(j1, splits_of(lens[r]));
-          scaled(r, h, query.data() + (r - r0) * group * dim);
+          scaled(r, h, query + (r - r0) * group * dim);
         }
         for (int64_t j = j0; j < j1; ++j) {
           int64_t lo = (j + 1) * kSplit, hi = j * kSplit, count = 0;  // the keys the block's rows read in split j
@@ -393,16 +419,13 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
             const auto [first, end] = range(lens[r], j);
             if (first >= end) continue;
             lo = std::min(lo, first), hi = std::max(hi, end);
-            spans[count++] = {query.data() + (r - r0) * group * dim, first, end,
-                              parts.data() + ((r - r0) * most + j) * size};
+            spans[count++] = {query + (r - r0) * group * dim, first, end, parts + ((r - r0) * most + j) * size};
           }
-          if (count == 0) continue;
-          stage(k_cache, v_cache, pages(r0), lo, hi, s, h, keys.data(), values.data());
-          split(spans, count, keys.data(), values.data(), lo, hi, s, scores.data());
+          if (count > 0) split(spans, count, cache_of(r0), h, lo, hi, s, scratch);
         }
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t first = first_key(lens[r], s) / kSplit;
-          fold<T>(parts.data() + ((r - r0) * most + first) * size, splits_of(lens[r]) - first, group, dim,
+          fold<T>(parts + ((r - r0) * most + first) * size, splits_of(lens[r]) - first, group, dim,
                   out + (r * s.heads + h * group) * dim);
         }
       }
@@ -412,16 +435,15 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   const int64_t tasks = rows * s.kv_heads * most;
   std::vector<float> parts(static_cast<size_t>(tasks * size));
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> keys(static_cast<size_t>(kSplit * dim)), values(keys.size());
-    std::vector<float> scores(static_cast<size_t>(group * score_stride())), query(static_cast<size_t>(group * dim));
+    Scratch& scratch = thread_scratch();
+    float* query = scratch.query.at_least(group * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task / most, j = task % most, row = item / s.kv_heads, h = item % s.kv_heads;
       const auto [first, last] = range(lens[row], j);
       if (first >= last) continue;
-      stage(k_cache, v_cache, pages(row), first, last, s, h, keys.data(), values.data());
-      scaled(row, h, query.data());
-      const RowSpan span{query.data(), first, last, parts.data() + task * size};
-      split(&span, 1, keys.data(), values.data(), first, last, s, scores.data());
+      scaled(row, h, query);
+      const RowSpan span{query, first, last, parts.data() + task * size};
+      split(&span, 1, cache_of(row), h, first, last, s, scratch);
     }
   });
   at::parallel_for(0, rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
