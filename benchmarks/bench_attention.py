@@ -1,6 +1,7 @@
 """Decode attention on CPU: the padded gather vs the bucketed torch path vs tercet's C++ kernel.
 
     python -m benchmarks.bench_attention [--smoke] [--json PATH] [--batches 32,64] [--page-size N]
+        [--prefill-lens 512,2048]
 
 One "step" is what the runner does for its decode rows: build the step's
 gather plan once, then attend once per layer, over a paged cache with
@@ -19,6 +20,14 @@ every row (`interleaved`: what taking pages one at a time gives); and
 every row's pages side by side (`side_by_side`: what the scheduler's
 read-ahead gives, `serving/managers/batching.py`). Its ratio is against
 `shuffled`, in the same round.
+
+A third table (`prefill`, kernel only) attends one sequence's prompt of
+`--prefill-lens` tokens as a prefill chunk does (every row causal, its own
+K/V stored first) through the kernel, beside torch's
+`scaled_dot_product_attention` (is_causal, GQA) over the same K/V gathered
+contiguous, in bf16 and in fp32, alternated within each round: SDPA is the
+fast, non-invariant baseline (oneDNN's flash attention, bf16 products on
+AMX), the kernel keeps each row's bits whatever the chunking.
 """
 
 from __future__ import annotations
@@ -134,6 +143,35 @@ def median_ms(args, batch: int, contexts: list[int], generator) -> dict:
     return {name: (statistics.median(times[name]), diffs[name]) for name in paths}
 
 
+def prefill_ms(args, tokens: int, generator) -> dict[str, float]:
+    """One layer's attention over a `tokens`-token prompt attended as one prefill chunk: the kernel
+    (pages shuffled) vs SDPA causal over the contiguous K/V in bf16 and fp32; median ms of the rounds."""
+    import torch.nn.functional as F
+
+    page_size = max(args.page_size, 16)
+    q, k_cache, v_cache, table, _ = make_step(1, [tokens], page_size, generator)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).bfloat16()
+    slots = (table[0].long()[:, None] * page_size + torch.arange(page_size)).flatten()[:tokens]
+    k, v = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
+    seq, lens = torch.zeros(tokens, dtype=torch.int32), torch.arange(1, tokens + 1, dtype=torch.int32)
+    qt = q.transpose(0, 1)[None]
+    calls = {
+        "kernel": lambda: cpu_kernels.paged_attention(q, k_cache, v_cache, table, seq, lens, page_size,
+                                                      HEAD_DIM**-0.5),
+        "sdpa_bf16": lambda: F.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True),
+        "sdpa_fp32": lambda: F.scaled_dot_product_attention(qt.float(), k.float(), v.float(), is_causal=True,
+                                                            enable_gqa=True),
+    }
+    times = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            call()
+            start = time.perf_counter()
+            call()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small shapes, a few seconds")
@@ -146,10 +184,11 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--layout-contexts", default="128+52", metavar="PROMPT+DECODED",
                         help="the rows of the layouts table: prompt tokens + tokens decoded since")
+    parser.add_argument("--prefill-lens", default="512,2048", help="the prompts of the prefill table")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batches, args.equal, args.spread, args.rounds, args.layers = "4", 20, "1-40", 2, 2
-        args.layout_contexts = "16+8"
+        args.layout_contexts, args.prefill_lens = "16+8", "300"
     args.layout_contexts = tuple(int(n) for n in args.layout_contexts.split("+"))
     low, high = (int(n) for n in args.spread.split("-"))
     generator = torch.Generator().manual_seed(0)
@@ -184,7 +223,18 @@ def main(argv=None) -> int:
             print(f"{batch:>5} {'+'.join(map(str, args.layout_contexts)):>8} "
                   + " ".join(f"{ms[name]:>16.2f}" for name in LAYOUTS)
                   + f" {ms['shuffled'] / ms['side_by_side']:>25.2f}", file=sys.stderr)
-    result = {"rows": rows, "layouts": layouts, "layout_contexts": list(args.layout_contexts),
+    prefill = []
+    if cpu_kernels.load():
+        print(f"\n{'prefill':>7} {'kernel ms':>10} {'SDPA bf16 ms':>13} {'SDPA fp32 ms':>13} {'vs bf16':>8} "
+              f"{'vs fp32':>8}   (one layer)", file=sys.stderr)
+        for tokens in (int(n) for n in args.prefill_lens.split(",")):
+            ms = prefill_ms(args, tokens, generator)
+            prefill.append({"tokens": tokens, **{f"{name}_ms": round(t, 3) for name, t in ms.items()},
+                            "vs_sdpa_bf16": round(ms["sdpa_bf16"] / ms["kernel"], 2),
+                            "vs_sdpa_fp32": round(ms["sdpa_fp32"] / ms["kernel"], 2)})
+            print(f"{tokens:>7} {ms['kernel']:>10.2f} {ms['sdpa_bf16']:>13.2f} {ms['sdpa_fp32']:>13.2f} "
+                  f"{ms['sdpa_bf16'] / ms['kernel']:>8.2f} {ms['sdpa_fp32'] / ms['kernel']:>8.2f}", file=sys.stderr)
+    result = {"rows": rows, "layouts": layouts, "prefill": prefill, "layout_contexts": list(args.layout_contexts),
               "page_size": args.page_size, "rounds": args.rounds, "layers": args.layers,
               "spread": args.spread, "equal": args.equal, "threads": torch.get_num_threads()}
     if args.json:

@@ -27,3 +27,6 @@ def test_bench_attention_smoke_writes_its_json(tmp_path):
         assert layouts["batch"] == 4 and layouts["speedup"] > 0
         assert all(layouts[f"{name}_ms"] > 0 for name in ("shuffled", "interleaved", "side_by_side"))
         assert "side by side vs shuffled" in run.stderr
+        [prefill] = result["prefill"]  # a 300-token prompt: two splits of keys
+        assert prefill["tokens"] == 300 and prefill["kernel_ms"] > 0
+        assert prefill["sdpa_bf16_ms"] > 0 and prefill["sdpa_fp32_ms"] > 0 and prefill["vs_sdpa_fp32"] > 0
