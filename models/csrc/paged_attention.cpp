@@ -1,12 +1,14 @@
 // Attention straight from the paged KV cache, on CPU: decode rows and prefill rows alike.
 //
 // Each query row attends to the first `lens[row]` keys of its sequence through the
-// sequence's page table: keys and values are read in place, once, with no gathered copy
-// of the context. A row's keys go in splits at fixed absolute positions (kSplit keys), each
-// split reduced on its own and the splits folded in order, by the same code whatever the
-// row is: a decode token, a token of a prefill chunk (its own K/V stored first), after a
-// cached prefix or not. So a row's output depends only on its query, its position and its
-// sequence's K/V -- not on the batch, the chunking, the prefix cache or the threads.
+// sequence's page table: no gathered copy of the context, the keys (then the values) read L
+// at a time (16 with AVX-512) into a small float buffer that every row of a prefill chunk of
+// that sequence uses while it is in L1. A row's keys go in splits at fixed absolute
+// positions (kSplit keys), each split reduced on its own and the splits folded in order, by
+// the same code whatever the row is: a decode token, a token of a prefill chunk (its own K/V
+// stored first), after a cached prefix or not. So a row's output depends only on its query,
+// its position and its sequence's K/V -- not on the batch, the chunking, the prefix cache or
+// the threads.
 //
 // q [T, H, D], k_cache / v_cache [S, KVH, D], page_table [B, P] int32 (one row per
 // sequence), seq_of_row [T] int32, lens [T] int32 -> out [T, H, D]. The H / KVH query
