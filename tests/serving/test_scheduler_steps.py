@@ -263,3 +263,20 @@ async def test_a_scheduler_answers_while_it_loads_and_serves_what_came_meanwhile
         info = await h.call("inproc://sched", ServerInfoReq(), timeout=5.0)
         assert not info.loading and info.max_context_len > 0
         nursery.cancel_scope.cancel()
+
+
+def test_nan_rows_finds_every_nan_and_only_nans():
+    """The runner's NaN check sums each row first: a row with +inf beside -inf sums to NaN but holds no
+    NaN (it is sampled as before), and a NaN anywhere in a row is found."""
+    import torch
+
+    from models.runner import nan_rows
+
+    logits = torch.randn(6, 1000)
+    logits[1, 999] = float("nan")
+    logits[2, 0], logits[2, 500] = float("inf"), float("-inf")  # sums to NaN, no NaN
+    logits[3, 7] = float("inf")
+    logits[4, 3], logits[4, 4], logits[4, 5] = float("inf"), float("-inf"), float("nan")
+    logits[5] = 3e38  # the sum overflows to inf: no NaN
+    assert nan_rows(logits).tolist() == [False, True, False, False, True, False]
+    assert nan_rows(torch.randn(3, 10)).tolist() == [False] * 3
