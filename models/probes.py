@@ -92,10 +92,17 @@ def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576), tim
 CODE_ROWS = (1, 2, 4, 8, 16, 32)
 
 
+# How much slower than the panels the codes may be and still serve: a tie goes to the codes (a quarter of
+# the panels' bytes, and the panels are dropped where the codes serve every product). On an AMX Xeon the
+# two were within 4-10 % at 4-32 rows, where noise turned the choice from one start to the next.
+CODES_MARGIN = 0.1
+
+
 def bf16_code_rows(linears) -> int | None:
     """Up to how many rows bf16 block codes serve (`Bf16BlockCodeLinear` with its panels beside):
     the last of CODE_ROWS before the first where a pass over `linears` (the model's own projections:
-    their real bytes, as a decode step reads them) from the codes is slower than from the panels;
+    their real bytes, as a decode step reads them) from the codes is slower than from the panels
+    by more than CODES_MARGIN;
     None where the codes are never slower (they serve every product). Codes and panels give the
     same bits, so noise here moves only the speed. Timed at load, best of 2 passes."""
     generator = torch.Generator().manual_seed(0)
@@ -109,7 +116,7 @@ def bf16_code_rows(linears) -> int | None:
             rounds=2)
         log.info("bf16 block codes at %d rows: %.2f ms vs %.2f ms for the panels, over %d projections", rows,
                  codes * 1e3, panels * 1e3, len(linears))
-        if codes > panels:
+        if codes > panels * (1 + CODES_MARGIN):
             return served
         served = rows
     return None

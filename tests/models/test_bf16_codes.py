@@ -223,9 +223,10 @@ def test_the_panels_beside_the_codes_serve_products_past_code_rows_with_the_same
 
 def test_the_probe_picks_the_rows_before_the_codes_are_slower(bf16, monkeypatch):
     lins = [Linear(quantized(40, 96, "q8_0"), keep_dense=True, kernel=True, codes=True, dtype=torch.bfloat16)]
-    times = iter([[1.0, 2.0], [1.0, 1.0], [3.0, 2.0]])  # codes faster at 1 row, even at 2, slower at 4
+    # codes faster at 1 row, even at 2, within the margin at 4, slower at 8
+    times = iter([[1.0, 2.0], [1.0, 1.0], [1.05, 1.0], [3.0, 2.0]])
     monkeypatch.setattr(probes, "_best_seconds", lambda *calls, rounds: next(times))
-    assert probes.bf16_code_rows(lins) == 2
+    assert probes.bf16_code_rows(lins) == 4
     monkeypatch.setattr(probes, "_best_seconds", lambda *calls, rounds: [1.0, 2.0])
     assert probes.bf16_code_rows(lins) is None
     monkeypatch.undo()
