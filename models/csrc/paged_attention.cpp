@@ -416,12 +416,11 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
       for (int64_t i = next++; i < items; i = next++) {
         const int64_t b = order[i] / per_block, r0 = blocks[b], r1 = blocks[b + 1];
         const int64_t h0 = heads_per_item == 1 ? order[i] % s.kv_heads : 0;
+        int64_t j0 = most, j1 = 0;  // the splits the block's rows read, whatever the head
+        for (int64_t r = r0; r < r1; ++r)
+          j0 = std::min(j0, first_key(lens[r], s) / kSplit), j1 = std::max(j1, splits_of(lens[r]));
         for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
-          int64_t j0 = most, j1 = 0;
-          for (int64_t r = r0; r < r1; ++r) {
-            j0 = std::min(j0, first_key(lens[r], s) / kSplit), j1 = std::max(j1, splits_of(lens[r]));
-            scaled(r, h, query + (r - r0) * group * dim);
-          }
+          for (int64_t r = r0; r < r1; ++r) scaled(r, h, query + (r - r0) * group * dim);
           for (int64_t j = j0; j < j1; ++j) {
             int64_t lo = (j + 1) * kSplit, hi = j * kSplit, count = 0;  // the keys the block's rows read in split j
             for (int64_t r = r0; r < r1; ++r) {
