@@ -508,19 +508,29 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Rows [0, rows) (rows <= 32; x as pairs words ldx apart, every row of the two tiles readable) against two
-// panels: y = round(x . panels + bias). TWO: a second row tile (rows > 16).
+// Pairs [i0, i1) of rows [0, 32) (x as pairs words ldx apart) against two panels, the sums going on from
+// `sums` ([32 rows][32 columns] fp32; from zero where `first`) and left there: the tiles' state between two
+// chunks of K is its fp32 sums, stored and loaded back unchanged, so the chunks give the bits of one pass
 template <bool TWO>
-void amx_block(const uint32_t* x, int64_t ldx, int64_t rows, const uint16_t* panel0, const uint16_t* panel1,
-               int64_t pairs, c10::BFloat16* y, int64_t ldc, int64_t cols, const float* bias, float* scratch) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
+void amx_part(const uint32_t* x, int64_t ldx, const uint16_t* panel0, const uint16_t* panel1, int64_t i0, int64_t i1,
+              float* sums, bool first) {
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (TWO) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, sums, 128);
+    _tile_loadd(1, sums + 16, 128);
+    if constexpr (TWO) {
+      _tile_loadd(2, sums + 16 * 32, 128);
+      _tile_loadd(3, sums + 16 * 32 + 16, 128);
+    }
   }
   const int64_t stride = ldx * 4;
-  for (int64_t i = 0; i < pairs; i += kBlockPairs) {
+  for (int64_t i = i0; i < i1; i += kBlockPairs) {
     _tile_loadd(4, x + i, stride);
     _tile_loadd(6, panel0 + i * 2 * kPanel, 64);
     _tile_loadd(7, panel1 + i * 2 * kPanel, 64);
@@ -532,17 +542,20 @@ void amx_block(const uint32_t* x, int64_t ldx, int64_t rows, const uint16_t* pan
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, scratch, 128);  // scratch [32 rows][32 columns]
-  _tile_stored(1, scratch + 16, 128);
+  _tile_stored(0, sums, 128);
+  _tile_stored(1, sums + 16, 128);
   if constexpr (TWO) {
-    _tile_stored(2, scratch + 16 * 32, 128);
-    _tile_stored(3, scratch + 16 * 32 + 16, 128);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 c[1][2] = {{_mm512_loadu_ps(scratch + r * 32), _mm512_loadu_ps(scratch + r * 32 + 16)}};
-    store_rows<1, 2>(c, y + r * ldc, ldc, cols, bias);
+    _tile_stored(2, sums + 16 * 32, 128);
+    _tile_stored(3, sums + 16 * 32 + 16, 128);
   }
 }
+
+// Pairs a chunk of K at most, where the tiles take K in chunks: the two panels' chunk (16 KB) stays in L1 while
+// the rows' tiles pass it, where the whole K of a unit (36 KB at K = 576, 96 KB at 1536) and of the rows'
+// inputs did not fit beside each other (48 KB) and both came from L2. 2048 rows x SmolLM2's four decoder
+// projections, alternated: 10.4-11.6 -> 9.5-9.8 ms from the codes, 10.0-10.4 -> 8.9-9.3 from the panels
+// (64 and 96 measured no better, 160 no better)
+constexpr int64_t kChunkPairs = 128;
 
 // y = x W^T (+ b) in tile numerics over `panels` panels; panel_of(p, count, buf) gives the weights of panels
 // p .. p + count - 1 (count <= 2) in the packed layout, in place or decoded into buf (this thread's)
@@ -555,7 +568,7 @@ void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, in
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf;
     std::vector<uint32_t> xpad;  // a last chunk of rows, padded to whole tiles with zero rows
-    alignas(64) float scratch[32 * 32];
+    std::vector<float> acc;  // the block's sums [rows][32 columns] between chunks of K
     if (amx) configure_tiles();
     for (int64_t r0 = 0; r0 < m; r0 += kTnBlockRows) {
       const int64_t r1 = std::min(m, r0 + kTnBlockRows);
@@ -572,19 +585,27 @@ void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, in
           continue;
         }
         const uint16_t* second = count > 1 ? panel + pairs * 2 * kPanel : panel;  // (computed, not stored)
-        for (int64_t r = r0; r < r1; r += 32) {
-          const int64_t rows = std::min<int64_t>(32, r1 - r);
-          const uint32_t* x = xp + r * pairs;
-          if (r + 32 > m) {  // tiles read 16 or 32 rows: the last ones from a zero-padded copy (made once)
-            if (xpad.empty()) {
-              xpad.assign(static_cast<size_t>(32 * pairs), 0u);
-              std::memcpy(xpad.data(), x, static_cast<size_t>(rows * pairs) * sizeof(uint32_t));
+        const int64_t chunks = (pairs + kChunkPairs - 1) / kChunkPairs;  // K in even chunks of whole blocks
+        const int64_t chunk = ((pairs + chunks - 1) / chunks + kBlockPairs - 1) / kBlockPairs * kBlockPairs;
+        acc.resize(static_cast<size_t>((r1 - r0 + 31) / 32 * 32 * 32));
+        for (int64_t i0 = 0; i0 < pairs; i0 += chunk) {
+          for (int64_t r = r0; r < r1; r += 32) {
+            const uint32_t* x = xp + r * pairs;
+            if (r + 32 > m) {  // tiles read 16 or 32 rows: the last ones from a zero-padded copy (made once)
+              if (xpad.empty()) {
+                xpad.assign(static_cast<size_t>(32 * pairs), 0u);
+                std::memcpy(xpad.data(), x, static_cast<size_t>((m - r) * pairs) * sizeof(uint32_t));
+              }
+              x = xpad.data();
             }
-            x = xpad.data();
+            float* sums = acc.data() + (r - r0) * 32;
+            if (r1 - r > 16) amx_part<true>(x, pairs, panel, second, i0, std::min(pairs, i0 + chunk), sums, i0 == 0);
+            else amx_part<false>(x, pairs, panel, second, i0, std::min(pairs, i0 + chunk), sums, i0 == 0);
           }
-          c10::BFloat16* y = out + r * n + p * kPanel;
-          if (rows > 16) amx_block<true>(x, pairs, rows, panel, second, pairs, y, n, cols, pb, scratch);
-          else amx_block<false>(x, pairs, rows, panel, second, pairs, y, n, cols, pb, scratch);
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          __m512 c[1][2] = {{_mm512_loadu_ps(acc.data() + (r - r0) * 32), _mm512_loadu_ps(acc.data() + (r - r0) * 32 + 16)}};
+          store_rows<1, 2>(c, out + r * n + p * kPanel, n, cols, pb);
         }
       }
     }

@@ -110,7 +110,7 @@ def test_bf16_kernel_gives_f_linear_products_within_bf16_rounding(bf16, out_feat
 
 
 @needs_compiler
-@pytest.mark.parametrize("out_features,k", [(40, 576), (200, 1536), (49, 7)])
+@pytest.mark.parametrize("out_features,k", [(40, 576), (200, 1536), (49, 7), (40, 800)])  # 800: uneven chunks of K
 def test_bf16_kernel_gives_each_row_its_bits_alone_in_any_batch(bf16, out_features, k):
     weight, bias, x = bf16_case(out_features, k, seed=out_features)
     packed = cpu_kernels.pack_bf16_weight(weight)
