@@ -556,6 +556,10 @@ void amx_part(const uint32_t* x, int64_t ldx, const uint16_t* panel0, const uint
 // projections, alternated: 10.4-11.6 -> 9.5-9.8 ms from the codes, 10.0-10.4 -> 8.9-9.3 from the panels
 // (64 and 96 measured no better, 160 no better)
 constexpr int64_t kChunkPairs = 128;
+// Rows a block needs for its K to go in chunks: with fewer (a decode step of 32-64 requests), each chunk's
+// panels serve one or two tiles of rows and storing and loading the sums between chunks costs more than the
+// chunk saves (the server's 32-request decode steps were ~5 % slower with chunks at any rows)
+constexpr int64_t kChunkRows = 128;
 
 // y = x W^T (+ b) in tile numerics over `panels` panels; panel_of(p, count, buf) gives the weights of panels
 // p .. p + count - 1 (count <= 2) in the packed layout, in place or decoded into buf (this thread's)
@@ -585,7 +589,8 @@ void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, in
           continue;
         }
         const uint16_t* second = count > 1 ? panel + pairs * 2 * kPanel : panel;  // (computed, not stored)
-        const int64_t chunks = (pairs + kChunkPairs - 1) / kChunkPairs;  // K in even chunks of whole blocks
+        // K in even chunks of whole blocks, where the block has rows enough to pass each chunk many times
+        const int64_t chunks = r1 - r0 >= kChunkRows ? (pairs + kChunkPairs - 1) / kChunkPairs : 1;
         const int64_t chunk = ((pairs + chunks - 1) / chunks + kBlockPairs - 1) / kBlockPairs * kBlockPairs;
         acc.resize(static_cast<size_t>((r1 - r0 + 31) / 32 * 32 * 32));
         for (int64_t i0 = 0; i0 < pairs; i0 += chunk) {
