@@ -251,7 +251,7 @@ async def test_a_replica_lost_for_good_leaves_the_pool_and_the_server_serves_on(
 @pytest.mark.slow
 async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detokenizer_moves_its_requests(
         nursery, baseline):
-    """SIGSTOP of one replica's scheduler: that replica's output watchdog (3 s) kills it while the
+    """SIGSTOP of one replica's scheduler: that replica's output watchdog (8 s) kills it while the
     other keeps streaming, and its requests finish on the other. Then a detokenizer killed: its
     replica's requests move, its scheduler stops running their old incarnations, and the replica
     comes back and takes requests again."""
@@ -264,7 +264,7 @@ async def test_a_frozen_replica_is_killed_by_its_own_watchdog_and_a_lost_detoken
     frozen, lost = requests_for(22, n=8), requests_for(23, n=8)
     expected = baseline(frozen + lost)  # (before the server starts: the reference run blocks this thread)
     url, app = await start_server(nursery, "default", **TWO, **{"router.policy": "round_robin",
-                                                                "watchdogs.output_timeout": 3.0,
+                                                                "watchdogs.output_timeout": 8.0,
                                                                 "supervision.shutdown_grace": 2.0})
     status, tm = app.state.server.runtime.status, app.state.server.runtime.tokenizer_manager
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:

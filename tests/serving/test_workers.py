@@ -245,7 +245,7 @@ async def test_faults_downstream_resume_the_requests_of_every_worker(nursery, ba
     hang = {"process": "child", "address": "ipc://{runtime_dir}/scheduler",
             "target": "tests.serving.faults:hanging_scheduler_child",
             "args": {"steps": 30, "marker": str(tmp_path / "hung-once")}}
-    url, pool = await start_workers(nursery, **RECOVERY, **{"actors.scheduler": hang, "watchdogs.output_timeout": 3.0})
+    url, pool = await start_workers(nursery, **RECOVERY, **{"actors.scheduler": hang, "watchdogs.output_timeout": 8.0})
     texts = {}
     async with AsyncExitStack() as stack:
         pinned = await pinned_clients(stack, url, per_worker=4)
@@ -260,7 +260,7 @@ async def test_faults_downstream_resume_the_requests_of_every_worker(nursery, ba
                 inner.start_soon(one, pinned[i % 2][i // 2], body)
             probe = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
             await wait_for(probe, lambda info: info["requests_by_worker"] == {"0": 4, "1": 4})
-            with trio.fail_after(120):  # the step hangs after 30 steps; the stall is reported in 3 s
+            with trio.fail_after(120):  # the step hangs after 30 steps; the stall is reported in 8 s
                 await pool.status.started("scheduler", 2)
             assert (tmp_path / "hung-once").exists()
             assert pool.status.crashes == {("scheduler", "OutputStalled"): 1}
