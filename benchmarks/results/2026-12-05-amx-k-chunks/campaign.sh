@@ -2,7 +2,7 @@
 # K in chunks for the AMX tiles: ca2cde0 (base, a worktree at $BASE) against this tree (work), alternated.
 #   BASE=/tmp/p36/base benchmarks/results/2026-12-05-amx-k-chunks/campaign.sh ROUNDS
 # projections.py: SmolLM2's four decoder projections (from the GGUF codes and from bf16 panels) at 512-2048 rows;
-# pf.py: runner prefill steps; step.py: a 64-row decode step; then onednn_shape.py: gate_up's shape, tercet's
+# ../2026-12-05-decode-steps/pf.py: runner prefill steps; its step.py: a 64-row decode step; then onednn_shape.py: gate_up's shape, tercet's
 # tiles against torch's oneDNN, 1 and 2 threads (work only). Text to raw.txt, parsed to results.json.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd); WORK=$(cd "$HERE/../../.." && pwd); PY=$WORK/.venv/bin/python
@@ -15,8 +15,8 @@ for r in $(seq "${1:-3}"); do
     {
       echo "== $t r$r"
       (cd "$d" && PYTHONPATH=$d $PY "$HERE/projections.py" 512,1024,2048 2>&1 | grep -oE "m=[0-9]+: codes [0-9.]+ ms.*panels [0-9.]+ ms.*" | grep -v "^  ")
-      (cd "$d" && PYTHONPATH=$d $PY "$HERE/pf.py" 16x128,4x512,1x2048 2>&1 | tail -1 | sed 's/.*\r//')
-      (cd "$d" && PYTHONPATH=$d $PY "$HERE/step.py" 64 128 30 2>&1 | tail -1 | grep -oE "B=64.*")
+      (cd "$d" && PYTHONPATH=$d $PY "$HERE/../2026-12-05-decode-steps/pf.py" 16x128,4x512,1x2048 2>&1 | tail -1 | sed 's/.*\r//')
+      (cd "$d" && PYTHONPATH=$d $PY "$HERE/../2026-12-05-decode-steps/step.py" 64 128 30 2>&1 | tail -1 | grep -oE "B=64.*")
     } | tee -a "$HERE/raw.txt"
   done
 done
