@@ -553,8 +553,8 @@ void amx_part(const uint32_t* x, int64_t ldx, const uint16_t* panel0, const uint
 // Pairs a chunk of K at most, where the tiles take K in chunks: the two panels' chunk (16 KB) stays in L1 while
 // the rows' tiles pass it, where the whole K of a unit (36 KB at K = 576, 96 KB at 1536) and of the rows'
 // inputs did not fit beside each other (48 KB) and both came from L2. 2048 rows x SmolLM2's four decoder
-// projections, alternated: 10.4-11.6 -> 9.5-9.8 ms from the codes, 10.0-10.4 -> 8.9-9.3 from the panels
-// (64 and 96 measured no better, 160 no better)
+// projections, alternated: 8.6-9.9 -> 7.3-8.8 ms from the codes, 8.0-8.6 -> 6.7-8.0 from the panels
+// (benchmarks/results/2026-12-05-amx-k-chunks; chunks of 64, 96 and 160 pairs measured no better)
 constexpr int64_t kChunkPairs = 128;
 // Rows a block needs for its K to go in chunks: with fewer (a decode step of 32-64 requests), each chunk's
 // panels serve one or two tiles of rows and storing and loading the sums between chunks costs more than the
