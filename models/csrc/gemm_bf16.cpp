@@ -508,9 +508,10 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Pairs [i0, i1) of rows [0, 32) (x as pairs words ldx apart) against two panels, the sums going on from
-// `sums` ([32 rows][32 columns] fp32; from zero where `first`) and left there: the tiles' state between two
-// chunks of K is its fp32 sums, stored and loaded back unchanged, so the chunks give the bits of one pass
+// Pairs [i0, i1) of rows [0, 16), or [0, 32) where TWO (a second row tile; x as pairs words ldx apart, every
+// row of the tiles readable) against two panels, the sums going on from `sums` ([32 rows][32 columns] fp32;
+// from zero where `first`) and left there: the tiles' state between two chunks of K is its fp32 sums, stored
+// and loaded back unchanged, so the chunks give the bits of one pass
 template <bool TWO>
 void amx_part(const uint32_t* x, int64_t ldx, const uint16_t* panel0, const uint16_t* panel1, int64_t i0, int64_t i1,
               float* sums, bool first) {
