@@ -146,30 +146,35 @@ inline Scratch& thread_scratch() {
 // a row's kSplit, for the blocks of keys that start before its first key or end past its last
 inline int64_t score_stride() { return kSplit + 2 * 16; }
 
-// Rows [count] of one split of kv head h, every row's keys among [lo, hi): the portable path reads
-// the keys and values once as floats (exact), then each row alone.
+// Rows [count] of one split of kv heads [h, h + nh) (spans [nh][count]: head h + i's are rows + i * count),
+// every row's keys among [lo, hi): the portable path reads a head's keys and values once as floats (exact),
+// then each row alone.
 template <typename T>
-void split_rows_scalar(const RowSpan* rows, int64_t count, const Cache<T>& cache, int64_t h, int64_t lo, int64_t hi,
-                       const Shape& s, Scratch& scratch) {
+void split_rows_scalar(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& cache, int64_t h, int64_t lo,
+                       int64_t hi, const Shape& s, Scratch& scratch) {
   const int64_t dim = s.dim, stride = s.kv_heads * dim;
   float* keys = scratch.keys.at_least(kSplit * dim);
   float* values = scratch.values.at_least(kSplit * dim);
-  for (int64_t t = lo; t < hi; ++t) {
-    const int64_t at = slot_of(cache.pages, t, s.page_size) * stride + h * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      keys[(t - lo) * dim + d] = to_float(cache.k[at + d]);
-      values[(t - lo) * dim + d] = to_float(cache.v[at + d]);
-    }
-  }
   float* scores = scratch.scores.at_least(s.heads / s.kv_heads * kSplit);
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t skip = (rows[r].first - lo) * dim;
-    split_scalar(rows[r].q, keys + skip, values + skip, rows[r].end - rows[r].first, s, scores, rows[r].part);
+  for (int64_t i = 0; i < nh; ++i) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t at = slot_of(cache.pages, t, s.page_size) * stride + (h + i) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        keys[(t - lo) * dim + d] = to_float(cache.k[at + d]);
+        values[(t - lo) * dim + d] = to_float(cache.v[at + d]);
+      }
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      const RowSpan& row = rows[i * count + r];
+      const int64_t skip = (row.first - lo) * dim;
+      split_scalar(row.q, keys + skip, values + skip, row.end - row.first, s, scores, row.part);
+    }
   }
 }
 
 template <typename T>
-using SplitFn = void (*)(const RowSpan*, int64_t, const Cache<T>&, int64_t, int64_t, int64_t, const Shape&, Scratch&);
+using SplitFn = void (*)(const RowSpan*, int64_t, int64_t, const Cache<T>&, int64_t, int64_t, int64_t, const Shape&,
+                         Scratch&);
 
 #if TERCET_VEC
 constexpr int L = vec::kLanes;
@@ -188,17 +193,21 @@ inline void slots_of(const int32_t* pages, int64_t begin, int64_t end, int64_t p
   }
 }
 
-// m keys' (or values') head as floats into block [L][C * L] (exact), from their slots; the next
-// block's prefetched (the hardware misses the per-head stride)
+// m keys' (or values') head h as floats into block [L][C * L] (exact), from their slots
 template <typename T, int C>
-inline void stage(const T* cache, const int64_t* slots, int64_t m, int64_t next, const Shape& s, int64_t h,
+inline void stage(const T* cache, const int64_t* slots, int64_t m, const Shape& s, int64_t h,
                   float (&block)[L][C * L]) {
   const int64_t stride = s.kv_heads * C * L;
-  for (int64_t i = 0; i < next; ++i) prefetch(cache + slots[m + i] * stride + h * C * L, C * L);
   for (int64_t i = 0; i < m; ++i) {
     const T* x = cache + slots[i] * stride + h * C * L;
     for (int c = 0; c < C; ++c) vec::store(block[i] + c * L, vec::load(x + c * L));
   }
+}
+
+// m keys' (or values') head h asked for into L1
+template <typename T, int C>
+inline void ask_for(const T* cache, const int64_t* slots, int64_t m, const Shape& s, int64_t h) {
+  for (int64_t i = 0; i < m; ++i) prefetch(cache + (slots[i] * s.kv_heads + h) * C * L, C * L);
 }
 
 constexpr int kMaxGroup = 16;  // query heads per kv head
@@ -225,62 +234,77 @@ inline void weigh_values(const float* weights, const float* values, int64_t m, f
     for (int c = 0; c < C; ++c) store(part + h * C * L + c * L, acc[h][c]);
 }
 
-// One split of kv head h for rows [count] of a sequence, every row's keys among [lo, hi), taken a
-// block of L keys at a time: the block's keys read once as floats into L1 (exact), then by every
-// row; likewise its values. Per row and query head, as if the row were alone: a score per key (a
-// vector of products over d, its lanes added in reduce_add's tree: reduce_lanes does L keys' at
-// once, each with the same additions), the row's max, exp and sum over its n keys (lane j adding
-// the keys at positions = j mod L: kSplit is a multiple of L), and the weighted values in key
-// order. A key's score, a lane's sum and a value's chain of fmadds do not depend on how the keys
-// were blocked or which rows came along.
+// One split of kv heads [h, h + nh) for rows [count] of a sequence (spans [nh][count]: head h + i's are
+// rows + i * count), every row's keys among [lo, hi), taken a block of L keys at a time: the block's
+// keys read once as floats into L1 (exact), a head at a time, then by every row; likewise its values.
+// With all of a key's heads in one call (nh = kv_heads) a thread reads each slot whole, in order: the
+// cache's lines as one stream, where a pass per head read every third 128 bytes. Per row and query head,
+// as if the row were alone: a score per key (a vector of products over d, its lanes added in
+// reduce_add's tree: reduce_lanes does L keys' at once, each with the same additions), the row's max,
+// exp and sum over its n keys (lane j adding the keys at positions = j mod L: kSplit is a multiple of
+// L), and the weighted values in key order. A key's score, a lane's sum and a value's chain of fmadds do
+// not depend on how the keys were blocked, which heads or rows came along.
 template <typename T, int C>
-void split_vec(const RowSpan* rows, int64_t count, const Cache<T>& cache, int64_t h, int64_t lo, int64_t hi,
-               const Shape& s, Scratch& scratch) {
+void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& cache, int64_t h, int64_t lo,
+               int64_t hi, const Shape& s, Scratch& scratch) {
   using namespace vec;
   static_assert(L <= 16, "score_stride's slack");
   const int64_t group = s.heads / s.kv_heads, dim = C * L, stride = score_stride();
-  float* scores = scratch.scores.at_least(count * group * stride);
-  // row r's head g's scores: the row's key `first + u` at u (slack before 0 and after the row's keys)
-  const auto scores_of = [&](int64_t r, int64_t g) { return scores + (r * group + g) * stride + L; };
+  float* scores = scratch.scores.at_least(nh * count * group * stride);
+  // span k's (head i = k / count, row r = k % count) query head g's scores: the row's key `first + u` at u
+  // (slack before 0 and after the row's keys)
+  const auto scores_of = [&](int64_t k, int64_t g) { return scores + (k * group + g) * stride + L; };
   int64_t slots[kSplit];
   slots_of(cache.pages, lo, hi, s.page_size, slots);
   alignas(64) float block[L][C * L];
-  const auto staged = [&](const T* from, int64_t t0) {  // keys or values [t0, t0 + m) into block; m
-    const int64_t m = std::min<int64_t>(L, hi - t0);
-    stage<T, C>(from, slots + (t0 - lo), m, std::min<int64_t>(L, hi - t0 - m), s, h, block);
+  // The split's blocks in the order they are read: the keys' [0, blocks), then the values' [blocks, 2 blocks).
+  // While a block's head h + i is staged, the next block's is asked for (the values' first after the keys'
+  // last); asking 2 or 3 blocks ahead measured slower.
+  const int64_t blocks = (hi - lo + L - 1) / L;
+  const auto staged = [&](const T* from, int64_t t0, int64_t i) {  // head h + i's keys or values [t0, t0 + m)
+    const int64_t m = std::min<int64_t>(L, hi - t0);                // into block; m
+    const int64_t next = (from == cache.k ? 0 : blocks) + (t0 - lo) / L + 1;
+    if (next < 2 * blocks) {
+      const int64_t first = (next % blocks) * L;
+      ask_for<T, C>(next < blocks ? cache.k : cache.v, slots + first, std::min<int64_t>(L, hi - lo - first), s, h + i);
+    }
+    stage<T, C>(from, slots + (t0 - lo), m, s, h + i, block);
     return m;
   };
   for (int64_t t0 = lo; t0 < hi; t0 += L) {
-    const int64_t m = staged(cache.k, t0);
-    const auto dot = [&](const vf (&q_g)[C], int64_t i) {
-      vf d = mul(q_g[0], load(block[i]));
-      for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(block[i] + c * L), d);
-      return d;
-    };
-    for (int64_t r = 0; r < count; ++r) {
-      if (t0 + L <= rows[r].first || t0 >= rows[r].end) continue;  // none of the row's keys
-      for (int64_t g = 0; g < group; ++g) {
-        vf q_g[C];
-        for (int c = 0; c < C; ++c) q_g[c] = load(rows[r].q + g * dim + c * L);
-        vf dots[L];
-        if (m == L) {
+    for (int64_t i = 0; i < nh; ++i) {
+      const int64_t m = staged(cache.k, t0, i);
+      const auto dot = [&](const vf (&q_g)[C], int64_t j) {
+        vf d = mul(q_g[0], load(block[j]));
+        for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(block[j] + c * L), d);
+        return d;
+      };
+      for (int64_t k = i * count; k < (i + 1) * count; ++k) {
+        const RowSpan& row = rows[k];
+        if (t0 + L <= row.first || t0 >= row.end) continue;  // none of the row's keys
+        for (int64_t g = 0; g < group; ++g) {
+          vf q_g[C];
+          for (int c = 0; c < C; ++c) q_g[c] = load(row.q + g * dim + c * L);
+          vf dots[L];
+          if (m == L) {
 #pragma GCC unroll 16
-          for (int i = 0; i < L; ++i) dots[i] = dot(q_g, i);
-        } else {  // past the split's keys: zeros (past the row's keys, scores are set to -inf below)
-          for (int i = 0; i < L; ++i) dots[i] = i < m ? dot(q_g, i) : zero();
+            for (int j = 0; j < L; ++j) dots[j] = dot(q_g, j);
+          } else {  // past the split's keys: zeros (past the row's keys, scores are set to -inf below)
+            for (int j = 0; j < L; ++j) dots[j] = j < m ? dot(q_g, j) : zero();
+          }
+          store(scores_of(k, g) + (t0 - row.first), reduce_lanes(dots));
         }
-        store(scores_of(r, g) + (t0 - rows[r].first), reduce_lanes(dots));
       }
     }
   }
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t n = rows[r].end - rows[r].first, padded = (n + L - 1) / L * L;
-    float* top = rows[r].part + group * dim;
+  for (int64_t k = 0; k < nh * count; ++k) {
+    const int64_t n = rows[k].end - rows[k].first, padded = (n + L - 1) / L * L;
+    float* top = rows[k].part + group * dim;
     float* total = top + group;
     for (int64_t g = 0; g < group; ++g) {
-      float* row = scores_of(r, g);
+      float* row = scores_of(k, g);
       if (s.softcap > 0.f)
-        for (int64_t i = 0; i < n; ++i) row[i] = capped(row[i], s);
+        for (int64_t t = 0; t < n; ++t) row[t] = capped(row[t], s);
       std::fill(row + n, row + padded, -INFINITY);
       vf best = set1(-INFINITY);
       for (int64_t t = 0; t < padded; t += L) best = max(best, load(row + t));
@@ -293,28 +317,31 @@ void split_vec(const RowSpan* rows, int64_t count, const Cache<T>& cache, int64_
         sum = add(sum, e);
       }
       total[g] = reduce_add(sum);
-      for (int c = 0; c < C; ++c) store(rows[r].part + g * dim + c * L, zero());
+      for (int c = 0; c < C; ++c) store(rows[k].part + g * dim + c * L, zero());
     }
   }
   for (int64_t t0 = lo; t0 < hi; t0 += L) {
-    const int64_t m = staged(cache.v, t0);
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t a = std::max(t0, rows[r].first), b = std::min(t0 + m, rows[r].end);
-      if (a >= b) continue;
-      for (int64_t g = 0; g < group;) {  // the heads' sums in registers over the block, a few heads at a time
-        const int64_t heads = std::min<int64_t>(group - g, kHeadsAtOnce<C>);
-        const float* weights = scores_of(r, g) + (a - rows[r].first);
-        const float* from = block[a - t0];
-        float* sums = rows[r].part + g * dim;
-        switch (heads) {
-          case 1: weigh_values<C, 1>(weights, from, b - a, sums); break;
-          case 2: weigh_values<C, 2>(weights, from, b - a, sums); break;
-          case 3: weigh_values<C, 3>(weights, from, b - a, sums); break;
-          case 4: weigh_values<C, 4>(weights, from, b - a, sums); break;
-          case 5: weigh_values<C, 5>(weights, from, b - a, sums); break;
-          default: weigh_values<C, 6>(weights, from, b - a, sums); break;
+    for (int64_t i = 0; i < nh; ++i) {
+      const int64_t m = staged(cache.v, t0, i);
+      for (int64_t k = i * count; k < (i + 1) * count; ++k) {
+        const RowSpan& row = rows[k];
+        const int64_t a = std::max(t0, row.first), b = std::min(t0 + m, row.end);
+        if (a >= b) continue;
+        for (int64_t g = 0; g < group;) {  // the heads' sums in registers over the block, a few heads at a time
+          const int64_t heads = std::min<int64_t>(group - g, kHeadsAtOnce<C>);
+          const float* weights = scores_of(k, g) + (a - row.first);
+          const float* from = block[a - t0];
+          float* sums = row.part + g * dim;
+          switch (heads) {
+            case 1: weigh_values<C, 1>(weights, from, b - a, sums); break;
+            case 2: weigh_values<C, 2>(weights, from, b - a, sums); break;
+            case 3: weigh_values<C, 3>(weights, from, b - a, sums); break;
+            case 4: weigh_values<C, 4>(weights, from, b - a, sums); break;
+            case 5: weigh_values<C, 5>(weights, from, b - a, sums); break;
+            default: weigh_values<C, 6>(weights, from, b - a, sums); break;
+          }
+          g += heads;
         }
-        g += heads;
       }
     }
   }
@@ -410,33 +437,43 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       Scratch& scratch = thread_scratch();
-      float* query = scratch.query.at_least(kBlockRows * group * dim);
-      float* parts = scratch.parts.at_least(kBlockRows * most * size);
-      RowSpan spans[kBlockRows];
+      // an item's rows' scaled queries and partial results, head after head: [heads_per_item][block's rows]
+      float* query = scratch.query.at_least(heads_per_item * kBlockRows * group * dim);
+      float* parts = scratch.parts.at_least(heads_per_item * kBlockRows * most * size);
+      std::vector<RowSpan> spans(static_cast<size_t>(heads_per_item * kBlockRows));
       for (int64_t i = next++; i < items; i = next++) {
-        const int64_t b = order[i] / per_block, r0 = blocks[b], r1 = blocks[b + 1];
-        const int64_t h0 = heads_per_item == 1 ? order[i] % s.kv_heads : 0;
+        const int64_t b = order[i] / per_block, r0 = blocks[b], r1 = blocks[b + 1], n = r1 - r0;
+        const int64_t h0 = heads_per_item == 1 ? order[i] % s.kv_heads : 0, nh = heads_per_item;
+        const auto slot = [&](int64_t hh, int64_t r) { return hh * n + (r - r0); };  // (head, row)'s buffers
         int64_t j0 = most, j1 = 0;  // the splits the block's rows read, whatever the head
         for (int64_t r = r0; r < r1; ++r)
           j0 = std::min(j0, first_key(lens[r], s) / kSplit), j1 = std::max(j1, splits_of(lens[r]));
-        for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
-          for (int64_t r = r0; r < r1; ++r) scaled(r, h, query + (r - r0) * group * dim);
-          for (int64_t j = j0; j < j1; ++j) {
-            int64_t lo = (j + 1) * kSplit, hi = j * kSplit, count = 0;  // the keys the block's rows read in split j
-            for (int64_t r = r0; r < r1; ++r) {
-              const auto [first, end] = range(lens[r], j);
-              if (first >= end) continue;
-              lo = std::min(lo, first), hi = std::max(hi, end);
-              spans[count++] = {query + (r - r0) * group * dim, first, end, parts + ((r - r0) * most + j) * size};
-            }
-            if (count > 0) split(spans, count, cache_of(r0), h, lo, hi, s, scratch);
+        for (int64_t hh = 0; hh < nh; ++hh)
+          for (int64_t r = r0; r < r1; ++r) scaled(r, h0 + hh, query + slot(hh, r) * group * dim);
+        for (int64_t j = j0; j < j1; ++j) {
+          int64_t lo = (j + 1) * kSplit, hi = j * kSplit, count = 0;  // the keys the block's rows read in split j
+          int64_t reading[kBlockRows];
+          for (int64_t r = r0; r < r1; ++r) {
+            const auto [first, end] = range(lens[r], j);
+            if (first >= end) continue;
+            lo = std::min(lo, first), hi = std::max(hi, end);
+            reading[count++] = r;
           }
+          for (int64_t hh = 0; hh < nh; ++hh)
+            for (int64_t c = 0; c < count; ++c) {
+              const int64_t r = reading[c];
+              const auto [first, end] = range(lens[r], j);
+              spans[hh * count + c] = {query + slot(hh, r) * group * dim, first, end,
+                                       parts + (slot(hh, r) * most + j) * size};
+            }
+          if (count > 0) split(spans.data(), count, nh, cache_of(r0), h0, lo, hi, s, scratch);
+        }
+        for (int64_t hh = 0; hh < nh; ++hh)
           for (int64_t r = r0; r < r1; ++r) {
             const int64_t first = first_key(lens[r], s) / kSplit;
-            fold<T>(parts + ((r - r0) * most + first) * size, splits_of(lens[r]) - first, group, dim,
-                    out + (r * s.heads + h * group) * dim);
+            fold<T>(parts + (slot(hh, r) * most + first) * size, splits_of(lens[r]) - first, group, dim,
+                    out + (r * s.heads + (h0 + hh) * group) * dim);
           }
-        }
       }
     });
     return;
@@ -452,7 +489,7 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
       if (first >= last) continue;
       scaled(row, h, query);
       const RowSpan span{query, first, last, parts.data() + task * size};
-      split(&span, 1, cache_of(row), h, first, last, s, scratch);
+      split(&span, 1, 1, cache_of(row), h, first, last, s, scratch);
     }
   });
   at::parallel_for(0, rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {

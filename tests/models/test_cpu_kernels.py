@@ -55,7 +55,9 @@ def test_matches_the_reference(kernels, heads, kv_heads, dim, page_size, dtype):
 
 @needs_compiler
 def test_a_row_gets_the_same_bits_alone_or_in_any_batch(kernels):
-    lens = [33, 150, 2, 77, 150]
+    # 20 rows: blocks enough that an item is a row with all its kv heads (a pass over each slot whole);
+    # alone, a row goes by (kv head, split)
+    lens = [33, 150, 2, 77, 150, 300, 16, 17, 1, 256, 257, 90] + [120] * 8
     q, k, v, table, cl = _paged(len(lens), 9, 3, 64, lens, 4, torch.bfloat16)
     whole = cpu_kernels.paged_decode_attention(q, k, v, table, cl, 4, 0.125)
     for i in range(len(lens)):
