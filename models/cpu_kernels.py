@@ -329,6 +329,18 @@ def bf16_block_linear(x, codes, scales, offsets, out_features: int, bias=None):
     return torch.ops.tercet.bf16_block_linear(x, codes, scales, offsets, out_features, bias)
 
 
+def bf16_linear_silu(x, packed, out_features: int, bias=None):
+    """`silu_mul(bf16_linear(x, packed, out_features, bias))` bit for bit, for a gate_up weight ([gate; up],
+    out_features a multiple of 32): where AMX's tiles serve, each tile pass takes gate's and up's panel of
+    the same 16 columns, and the [M, out_features] product is never stored. -> bf16 [M, out_features / 2]"""
+    return torch.ops.tercet.bf16_linear_silu(x, packed, out_features, bias)
+
+
+def bf16_block_linear_silu(x, codes, scales, offsets, out_features: int, bias=None):
+    """`silu_mul(bf16_block_linear(...))` bit for bit, as `bf16_linear_silu` over block codes."""
+    return torch.ops.tercet.bf16_block_linear_silu(x, codes, scales, offsets, out_features, bias)
+
+
 def decoder(heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
     """An empty C++ decoder (`csrc/decoder.cpp`): a Llama-layout model's layers in one call, filled by
     its `add_layer` and `add_projection` (`layers.CausalLM._make_decoder`)."""

@@ -56,6 +56,8 @@ struct Ops {
   c10::TypedOperatorHandle<CodeLinear> block_linear = op<CodeLinear>("tercet::block_linear");
   c10::TypedOperatorHandle<Linear> bf16_linear = op<Linear>("tercet::bf16_linear");
   c10::TypedOperatorHandle<CodeLinear> bf16_block_linear = op<CodeLinear>("tercet::bf16_block_linear");
+  c10::TypedOperatorHandle<Linear> bf16_linear_silu = op<Linear>("tercet::bf16_linear_silu");
+  c10::TypedOperatorHandle<CodeLinear> bf16_block_linear_silu = op<CodeLinear>("tercet::bf16_block_linear_silu");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("tercet::add_rms_norm_");
   c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("tercet::silu_mul");
   c10::TypedOperatorHandle<RopeStore> rope_store = op<RopeStore>("tercet::rope_store");
@@ -82,6 +84,18 @@ struct Projection {
         if (code_rows >= 0 && x.size(0) > code_rows) return o.bf16_linear.call(x, t[3], n, bias);
         return o.bf16_block_linear.call(x, t[0], t[1], t[2], n, bias);
     }
+  }
+
+  // silu_mul(this(x)) for gate_up ([gate | up] per row): in bf16 with whole panels of each, one op that
+  // multiplies both halves' panels of the same columns together and never stores gate_up (the same bits)
+  Tensor silu(const Tensor& x) const {
+    const Ops& o = ops();
+    if ((kind == kBf16Panels || kind == kBf16Codes) && n % 32 == 0) {
+      if (kind == kBf16Panels) return o.bf16_linear_silu.call(x, t[0], n, bias);
+      if (code_rows >= 0 && x.size(0) > code_rows) return o.bf16_linear_silu.call(x, t[3], n, bias);
+      return o.bf16_block_linear_silu.call(x, t[0], t[1], t[2], n, bias);
+    }
+    return o.silu_mul.call((*this)(x));
   }
 };
 
@@ -129,7 +143,7 @@ class Decoder : public torch::CustomClassHolder {
       const Tensor attn = o.paged_attention.call(q, k_layer, v_layer, page_table, row_seq, row_lens, page_size,
                                                  scale_, layer.window, 0.0);
       h = o.add_rms_norm.call(x, p[1](attn.reshape({rows, q_size})), layer.post_norm, eps_);
-      const Tensor down = p[3](o.silu_mul.call(p[2](h)));
+      const Tensor down = p[3](p[2].silu(h));
       h = o.add_rms_norm.call(x, down, layer.after_norm, eps_);
     }
     return h;

@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -126,6 +127,17 @@ inline void store_rows(const __m512 (&c)[R][P], c10::BFloat16* y, int64_t ldc, i
           out[j] = c10::BFloat16(bias != nullptr ? row[j] + bias[p * kPanel + j] : row[j]);
       }
     }
+}
+
+// silu(gate) * up of one row's 16 columns from their sums (+ bias), with the bits of bf16_linear's rounded
+// outputs passed through silu_mul (csrc/fused_ops.cpp's vector path: gate and up rounded to bf16, silu in
+// fp32 rounded to bf16, times up, rounded once more)
+inline void silu_store(__m512 gate, __m512 up, const float* bias_gate, const float* bias_up, c10::BFloat16* out) {
+  if (bias_gate != nullptr) gate = _mm512_add_ps(gate, _mm512_loadu_ps(bias_gate));
+  if (bias_up != nullptr) up = _mm512_add_ps(up, _mm512_loadu_ps(bias_up));
+  const __m512 a = vec::round_bf16(gate), u = vec::round_bf16(up);
+  const __m512 silu = vec::div(a, vec::add(vec::set1(1.f), vec::exp(vec::sub(vec::zero(), a))));
+  vec::store(out, vec::mul(vec::round_bf16(silu), u));
 }
 
 // R rows of x (each its pairs of inputs as 32-bit words, rows ldx words apart) against P
@@ -562,34 +574,21 @@ constexpr int64_t kChunkPairs = 128;
 // chunk saves (the server's 32-request decode steps were ~5 % slower with chunks at any rows)
 constexpr int64_t kChunkRows = 128;
 
-// y = x W^T (+ b) in tile numerics over `panels` panels; panel_of(p, count, buf) gives the weights of panels
-// p .. p + count - 1 (count <= 2) in the packed layout, in place or decoded into buf (this thread's)
-template <typename PanelOf>
-void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, int64_t n, const float* b,
-                c10::BFloat16* out, PanelOf panel_of) {
-  const bool amx = m >= kAmxRows && amx_permitted();
-  const int64_t units = (panels + kTnPanels - 1) / kTnPanels;
+// The tiles over `units` units of two panels each: unit_of(u, buf) gives unit u's two panels' weights in
+// the packed layout (in place, or decoded into buf: this thread's); store(u, r, sums) takes row r's 32 fp32
+// sums (the first panel's 16, then the second's) once its K is done
+template <typename UnitOf, typename Store>
+void amx_units(const uint32_t* xp, int64_t m, int64_t pairs, int64_t units, UnitOf unit_of, Store store) {
   const int64_t grain = std::max<int64_t>(1, 8 / ((m + 31) / 32));
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf;
     std::vector<uint32_t> xpad;  // a last chunk of rows, padded to whole tiles with zero rows
     std::vector<float> acc;  // the block's sums [rows][32 columns] between chunks of K
-    if (amx) configure_tiles();
+    configure_tiles();
     for (int64_t r0 = 0; r0 < m; r0 += kTnBlockRows) {
       const int64_t r1 = std::min(m, r0 + kTnBlockRows);
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t p = u * kTnPanels, count = std::min<int64_t>(kTnPanels, panels - p);
-        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
-        const uint16_t* panel = panel_of(p, count, buf);
-        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        if (!amx) {
-          for (int64_t r = r0; r < r1; r += kTnRows) {
-            const int64_t rows = std::min<int64_t>(kTnRows, r1 - r);
-            kTnBlocks[count - 1][rows - 1](xp + r * pairs, pairs, panel, pairs, out + r * n + p * kPanel, n, cols, pb);
-          }
-          continue;
-        }
-        const uint16_t* second = count > 1 ? panel + pairs * 2 * kPanel : panel;  // (computed, not stored)
+        const auto [panel, second] = unit_of(u, buf);
         // K in even chunks of whole blocks, where the block has rows enough to pass each chunk many times
         const int64_t chunks = r1 - r0 >= kChunkRows ? (pairs + kChunkPairs - 1) / kChunkPairs : 1;
         const int64_t chunk = ((pairs + chunks - 1) / chunks + kBlockPairs - 1) / kBlockPairs * kBlockPairs;
@@ -609,14 +608,71 @@ void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, in
             else amx_part<false>(x, pairs, panel, second, i0, std::min(pairs, i0 + chunk), sums, i0 == 0);
           }
         }
-        for (int64_t r = r0; r < r1; ++r) {
-          __m512 c[1][2] = {{_mm512_loadu_ps(acc.data() + (r - r0) * 32), _mm512_loadu_ps(acc.data() + (r - r0) * 32 + 16)}};
-          store_rows<1, 2>(c, out + r * n + p * kPanel, n, cols, pb);
+        for (int64_t r = r0; r < r1; ++r) store(u, r, acc.data() + (r - r0) * 32);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// y = x W^T (+ b) in tile numerics over `panels` panels; panel_of(p, count, buf) gives the weights of panels
+// p .. p + count - 1 (count <= 2) in the packed layout, in place or decoded into buf (this thread's)
+template <typename PanelOf>
+void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, int64_t n, const float* b,
+                c10::BFloat16* out, PanelOf panel_of) {
+  const int64_t units = (panels + kTnPanels - 1) / kTnPanels;
+  const auto columns = [&](int64_t u) { return std::min(kTnPanels * kPanel, n - u * kTnPanels * kPanel); };
+  if (m >= kAmxRows && amx_permitted()) {
+    amx_units(
+        xp, m, pairs, units,
+        [&](int64_t u, std::vector<uint16_t>& buf) {
+          const int64_t p = u * kTnPanels, count = std::min<int64_t>(kTnPanels, panels - p);
+          const uint16_t* panel = panel_of(p, count, buf);
+          return std::pair{panel, count > 1 ? panel + pairs * 2 * kPanel : panel};  // (computed, not stored)
+        },
+        [&](int64_t u, int64_t r, const float* sums) {
+          const __m512 c[1][2] = {{_mm512_loadu_ps(sums), _mm512_loadu_ps(sums + 16)}};
+          store_rows<1, 2>(c, out + r * n + u * kTnPanels * kPanel, n, columns(u),
+                           b != nullptr ? b + u * kTnPanels * kPanel : nullptr);
+        });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, 8 / ((m + 31) / 32));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> buf;
+    for (int64_t r0 = 0; r0 < m; r0 += kTnBlockRows) {
+      const int64_t r1 = std::min(m, r0 + kTnBlockRows);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t p = u * kTnPanels, count = std::min<int64_t>(kTnPanels, panels - p);
+        const uint16_t* panel = panel_of(p, count, buf);
+        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
+        for (int64_t r = r0; r < r1; r += kTnRows) {
+          const int64_t rows = std::min<int64_t>(kTnRows, r1 - r);
+          kTnBlocks[count - 1][rows - 1](xp + r * pairs, pairs, panel, pairs, out + r * n + p * kPanel, n, columns(u),
+                                         pb);
         }
       }
     }
-    if (amx) _tile_release();
   });
+}
+
+// out [m, n / 2] = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) through the tiles, W = [W_gate; W_up] over
+// `panels` panels (n / 2 a multiple of 16: gate panel u and up panel u + panels / 2 hold the same columns of
+// each); panel_of(p, buf, at) gives panel p's weights, in place or decoded into buf at `at`
+template <typename PanelOf>
+void project_tn_silu(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, const float* b,
+                     c10::BFloat16* out, PanelOf panel_of) {
+  const int64_t half = panels / 2, width = half * kPanel;
+  amx_units(
+      xp, m, pairs, half,
+      [&](int64_t u, std::vector<uint16_t>& buf) {
+        buf.resize(static_cast<size_t>(2 * pairs * 2 * kPanel));
+        return std::pair{panel_of(u, buf, 0), panel_of(u + half, buf, pairs * 2 * kPanel)};
+      },
+      [&](int64_t u, int64_t r, const float* sums) {
+        silu_store(_mm512_loadu_ps(sums), _mm512_loadu_ps(sums + 16), b != nullptr ? b + u * kPanel : nullptr,
+                   b != nullptr ? b + width + u * kPanel : nullptr, out + r * width + u * kPanel);
+      });
 }
 #endif
 
@@ -790,6 +846,97 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& codes, const
   return y;
 }
 
+// silu(gate) * up of a gate_up product y [m, n] ([gate | up] per row) into out [m, n / 2]: silu_mul's bits
+void silu_rows(const c10::BFloat16* y, int64_t m, int64_t n, c10::BFloat16* out) {
+#if TERCET_BF16_GEMM
+  const int64_t half = n / 2;
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < half; i += kPanel)
+        silu_store(vec::load(y + r * n + i), vec::load(y + r * n + half + i), nullptr, nullptr, out + r * half + i);
+  });
+#endif
+}
+
+// The gate_up products below: n (gate's and up's widths together) even panels' worth of columns
+void check_gate_up(int64_t panels, int64_t n) {
+  TORCH_CHECK(n % (2 * kPanel) == 0 && panels * kPanel == n, "n must be the weight's rows, a multiple of ",
+              2 * kPanel, " (gate's then up's)");
+}
+
+// silu_mul(bf16_linear(x, packed, n, bias)) bit for bit, gate_up's [m, n] never stored where the tiles serve:
+// each unit of the tiles takes gate's panel and up's panel of the same 16 columns
+at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kPanel && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.device().is_cpu(), "packed must come from pack_bf16_weight");
+  const int64_t m = x.size(0), panels = packed.size(0), pairs = packed.size(1);
+  check_x(x, pairs);
+  check_gate_up(panels, n);
+  auto out = at::empty({m, n / 2}, x.options());
+  if (m == 0) return out;
+#if TERCET_TILE_NUMERICS
+  if (m >= kAmxRows && amx_permitted()) {
+    at::Tensor keep;
+    const float* b = checked_bias(bias, n, keep);
+    const auto xin = x.contiguous();
+    std::vector<uint32_t> padded;
+    const uint32_t* xp = pairs_of(xin, pairs, padded);
+    const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    project_tn_silu(xp, m, pairs, panels, b, out.data_ptr<c10::BFloat16>(),
+                    [&](int64_t p, std::vector<uint16_t>&, int64_t) { return w + p * pairs * 2 * kPanel; });
+    return out;
+  }
+#endif
+  const auto y = bf16_linear(x, packed, n, bias);
+  silu_rows(y.data_ptr<c10::BFloat16>(), m, n, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+// silu_mul(bf16_block_linear(x, codes, scales, offsets, n, bias)) bit for bit, as bf16_linear_silu: each unit
+// of the tiles decodes gate's panel and up's panel of the same 16 columns
+at::Tensor bf16_block_linear_silu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                  const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
+  const auto [panels, k, nibbles] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
+  check_x(x, k / 2);
+  check_gate_up(panels, n);
+  const int64_t m = x.size(0);
+  auto out = at::empty({m, n / 2}, x.options());
+  if (m == 0) return out;
+#if TERCET_TILE_NUMERICS
+  if (m > kDirectTnRows && m >= kAmxRows && amx_permitted()) {
+    at::Tensor keep;
+    const float* b = checked_bias(bias, n, keep);
+    const auto xin = x.contiguous();
+    std::vector<uint32_t> padded;
+    const int64_t pairs = k / 2;
+    const uint32_t* xp = pairs_of(xin, pairs, padded);
+    auto* o = out.data_ptr<c10::BFloat16>();
+    const auto run = [&](auto codes_tag, const auto* d, const auto* mo) {
+      constexpr Codes C = decltype(codes_tag)::value;
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(d)>>;
+      const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+      const int64_t sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's, each
+      project_tn_silu(xp, m, pairs, panels, b, o, [&](int64_t p, std::vector<uint16_t>& buf, int64_t at) {
+        decode_panels_tn<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, pairs, 1, buf.data() + at);
+        return static_cast<const uint16_t*>(buf.data() + at);
+      });
+    };
+    const auto with_scales = [&](auto codes_tag) {
+      if (scales.scalar_type() == at::kHalf) run(codes_tag, scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>());
+      else run(codes_tag, scales.data_ptr<float>(), offsets.data_ptr<float>());
+    };
+    if (!nibbles) with_scales(std::integral_constant<Codes, Codes::kBytes>{});
+    else if (codes.scalar_type() == at::kByte) with_scales(std::integral_constant<Codes, Codes::kNibbles>{});
+    else with_scales(std::integral_constant<Codes, Codes::kSignedNibbles>{});
+    return out;
+  }
+#endif
+  const auto y = bf16_block_linear(x, codes, scales, offsets, n, bias);
+  silu_rows(y.data_ptr<c10::BFloat16>(), m, n, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 bool bf16_linear_available() { return TERCET_BF16_GEMM; }
 
 // Whether this build sums in tile numerics (a CPU with AMX-BF16), and whether AMX's tiles serve
@@ -808,10 +955,14 @@ TORCH_LIBRARY_FRAGMENT(tercet, m) {
   m.def("pack_bf16_weight(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_block_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_silu(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_block_linear_silu(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
   m.def("bf16_tile_numerics() -> bool", &bf16_tile_numerics);
   m.def("bf16_amx_serves() -> bool", &bf16_amx_serves);
   m.impl("pack_bf16_weight", c10::DispatchKey::CPU, TORCH_FN(pack_bf16_weight));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("bf16_block_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_block_linear));
+  m.impl("bf16_linear_silu", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_silu));
+  m.impl("bf16_block_linear_silu", c10::DispatchKey::CPU, TORCH_FN(bf16_block_linear_silu));
 }

@@ -165,6 +165,31 @@ def test_bf16_block_linear_refuses_what_does_not_fit(bf16):
         cpu_kernels.bf16_block_linear(x, codes, scales, offsets, 40, torch.zeros(39))
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
+def test_gate_up_with_silu_in_one_op_gives_silu_muls_bits(bf16, kind):
+    """bf16_(block_)linear_silu == silu_mul(bf16_(block_)linear) bit for bit at every row count (the tiles'
+    units of gate's and up's panels from 4 rows on, K in chunks from 128, a second block of rows past 512;
+    the plain product then silu_mul below 4), with and without a bias, from codes and from panels; fp32
+    scales too (a block no fp16 holds)."""
+    weight = quantized(192, 320, kind, seed=3)  # gate 96 (6 panels) and up 96; K = 320: 10 blocks, uneven chunks
+    weight[100, 32:64] = 0.1  # (fp32 d and m where kind has none)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(600, 320, generator=g).bfloat16() * 2
+    bias = torch.randn(192, generator=g)
+    for w in (weight, quantized(192, 320, kind, seed=4)):
+        codes = cpu_kernels.pack_bf16_block_codes(w)
+        panels = cpu_kernels.pack_bf16_weight(w.bfloat16())
+        for b in (None, bias.bfloat16(), bias):
+            for m in (1, 2, 3, 4, 5, 16, 17, 33, 64, 127, 128, 129, 513, 600):
+                want = cpu_kernels.silu_mul(cpu_kernels.bf16_linear(x[:m], panels, 192, b))
+                ours = cpu_kernels.bf16_block_linear_silu(x[:m], *codes, 192, b)
+                assert ours.shape == (m, 96) and torch.equal(ours, want), f"codes, {m} rows, bias {b is not None}"
+                ours = cpu_kernels.bf16_linear_silu(x[:m], panels, 192, b)
+                assert torch.equal(ours, want), f"panels, {m} rows, bias {b is not None}"
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.bf16_linear_silu(x[:4], cpu_kernels.pack_bf16_weight(weight[:176].bfloat16()), 176)
+
+
 @pytest.mark.parametrize("code_rows", [None, 2])
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
 def test_a_bf16_model_on_codes_has_the_logits_of_its_bf16_panels(bf16, tiny_llama, kind, code_rows, monkeypatch):
