@@ -873,12 +873,12 @@ at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
   const int64_t m = x.size(0), panels = packed.size(0), pairs = packed.size(1);
   check_x(x, pairs);
   check_gate_up(panels, n);
+  at::Tensor keep;
+  [[maybe_unused]] const float* b = checked_bias(bias, n, keep);
   auto out = at::empty({m, n / 2}, x.options());
   if (m == 0) return out;
 #if TERCET_TILE_NUMERICS
   if (m >= kAmxRows && amx_permitted()) {
-    at::Tensor keep;
-    const float* b = checked_bias(bias, n, keep);
     const auto xin = x.contiguous();
     std::vector<uint32_t> padded;
     const uint32_t* xp = pairs_of(xin, pairs, padded);
@@ -900,13 +900,13 @@ at::Tensor bf16_block_linear_silu(const at::Tensor& x, const at::Tensor& codes, 
   const auto [panels, k, nibbles] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
   check_x(x, k / 2);
   check_gate_up(panels, n);
+  at::Tensor keep;
+  [[maybe_unused]] const float* b = checked_bias(bias, n, keep);
   const int64_t m = x.size(0);
   auto out = at::empty({m, n / 2}, x.options());
   if (m == 0) return out;
 #if TERCET_TILE_NUMERICS
   if (m > kDirectTnRows && m >= kAmxRows && amx_permitted()) {
-    at::Tensor keep;
-    const float* b = checked_bias(bias, n, keep);
     const auto xin = x.contiguous();
     std::vector<uint32_t> padded;
     const int64_t pairs = k / 2;

@@ -172,7 +172,8 @@ def test_gate_up_with_silu_in_one_op_gives_silu_muls_bits(bf16, kind):
     the plain product then silu_mul below 4), with and without a bias, from codes and from panels; fp32
     scales too (a block no fp16 holds)."""
     weight = quantized(192, 320, kind, seed=3)  # gate 96 (6 panels) and up 96; K = 320: 10 blocks, uneven chunks
-    weight[100, 32:64] = 0.1  # (fp32 d and m where kind has none)
+    weight[100, 32:64] = 0.1  # a block no fp16 d and m hold: this weight's scales stay fp32
+    assert cpu_kernels.pack_bf16_block_codes(weight)[1].dtype == torch.float32
     g = torch.Generator().manual_seed(1)
     x = torch.randn(600, 320, generator=g).bfloat16() * 2
     bias = torch.randn(192, generator=g)
@@ -188,6 +189,8 @@ def test_gate_up_with_silu_in_one_op_gives_silu_muls_bits(bf16, kind):
                 assert torch.equal(ours, want), f"panels, {m} rows, bias {b is not None}"
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_kernels.bf16_linear_silu(x[:4], cpu_kernels.pack_bf16_weight(weight[:176].bfloat16()), 176)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.bf16_block_linear_silu(x[:0], *cpu_kernels.pack_bf16_block_codes(weight), 192, bias[:191])
 
 
 @pytest.mark.parametrize("code_rows", [None, 2])
