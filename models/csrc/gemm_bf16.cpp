@@ -906,7 +906,8 @@ at::Tensor bf16_block_linear_silu(const at::Tensor& x, const at::Tensor& codes, 
   auto out = at::empty({m, n / 2}, x.options());
   if (m == 0) return out;
 #if TERCET_TILE_NUMERICS
-  if (m > kDirectTnRows && m >= kAmxRows && amx_permitted()) {
+  static_assert(kAmxRows > kDirectTnRows, "the tiles serve none of the direct path's row counts");
+  if (m >= kAmxRows && amx_permitted()) {
     const auto xin = x.contiguous();
     std::vector<uint32_t> padded;
     const int64_t pairs = k / 2;

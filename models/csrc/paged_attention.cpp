@@ -136,6 +136,7 @@ struct Buffer {
 };
 struct Scratch {
   Buffer keys, values, scores, query, parts;
+  std::vector<RowSpan> spans;
 };
 inline Scratch& thread_scratch() {
   thread_local Scratch scratch;
@@ -261,19 +262,19 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
   // While a block's head h + i is staged, the next block's is asked for (the values' first after the keys'
   // last); asking 2 or 3 blocks ahead measured slower.
   const int64_t blocks = (hi - lo + L - 1) / L;
-  const auto staged = [&](const T* from, int64_t t0, int64_t i) {  // head h + i's keys or values [t0, t0 + m)
-    const int64_t m = std::min<int64_t>(L, hi - t0);                // into block; m
-    const int64_t next = (from == cache.k ? 0 : blocks) + (t0 - lo) / L + 1;
+  const auto staged = [&](bool values, int64_t t0, int64_t i) {  // head h + i's keys (or values) [t0, t0 + m)
+    const int64_t m = std::min<int64_t>(L, hi - t0);              // into block; m
+    const int64_t next = (values ? blocks : 0) + (t0 - lo) / L + 1;
     if (next < 2 * blocks) {
       const int64_t first = (next % blocks) * L;
       ask_for<T, C>(next < blocks ? cache.k : cache.v, slots + first, std::min<int64_t>(L, hi - lo - first), s, h + i);
     }
-    stage<T, C>(from, slots + (t0 - lo), m, s, h + i, block);
+    stage<T, C>(values ? cache.v : cache.k, slots + (t0 - lo), m, s, h + i, block);
     return m;
   };
   for (int64_t t0 = lo; t0 < hi; t0 += L) {
     for (int64_t i = 0; i < nh; ++i) {
-      const int64_t m = staged(cache.k, t0, i);
+      const int64_t m = staged(false, t0, i);
       const auto dot = [&](const vf (&q_g)[C], int64_t j) {
         vf d = mul(q_g[0], load(block[j]));
         for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(block[j] + c * L), d);
@@ -322,7 +323,7 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
   }
   for (int64_t t0 = lo; t0 < hi; t0 += L) {
     for (int64_t i = 0; i < nh; ++i) {
-      const int64_t m = staged(cache.v, t0, i);
+      const int64_t m = staged(true, t0, i);
       for (int64_t k = i * count; k < (i + 1) * count; ++k) {
         const RowSpan& row = rows[k];
         const int64_t a = std::max(t0, row.first), b = std::min(t0 + m, row.end);
@@ -440,7 +441,8 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
       // an item's rows' scaled queries and partial results, head after head: [heads_per_item][block's rows]
       float* query = scratch.query.at_least(heads_per_item * kBlockRows * group * dim);
       float* parts = scratch.parts.at_least(heads_per_item * kBlockRows * most * size);
-      std::vector<RowSpan> spans(static_cast<size_t>(heads_per_item * kBlockRows));
+      std::vector<RowSpan>& spans = scratch.spans;
+      spans.resize(std::max(spans.size(), static_cast<size_t>(heads_per_item * kBlockRows)));
       for (int64_t i = next++; i < items; i = next++) {
         const int64_t b = order[i] / per_block, r0 = blocks[b], r1 = blocks[b + 1], n = r1 - r0;
         const int64_t h0 = heads_per_item == 1 ? order[i] % s.kv_heads : 0, nh = heads_per_item;
