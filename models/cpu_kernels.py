@@ -274,7 +274,8 @@ def pack_bf16_block_codes(weight):
     as 32 lanes: columns 0-7 then 8-15, lane j column j // 2 (+ 8) at k = 2i + j % 2. Nibbles
     [P, K/2, 16]: lane j of the first half in byte j's low nibble, of the second in its high one;
     bytes [P, K, 16]: the two halves one after the other. In tile numerics (`bf16_tile_numerics`)
-    the k of each 4 are first taken as (k + 2, k, k + 3, k + 1): the pairs of its two chains."""
+    the k of each 4 are first taken as (k + 2, k, k + 3, k + 1): the pairs of its two chains; and
+    nibbles go in column blocks instead (`_column_blocks`)."""
     found = pack_block_codes(weight)
     return [bf16_pair_order(found[0], weight.shape[1]), *found[1:]] if found else []
 
@@ -286,6 +287,25 @@ def _chain_order(k: int) -> torch.Tensor | None:
     return torch.arange(k).view(-1, 4)[:, [2, 0, 3, 1]].flatten()
 
 
+def _column_blocks(fields: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [P, K, 16] (0..15, k then column) in the tile numerics' column blocks (csrc/gemm_bf16.cpp,
+    decode_rows): per panel and 32-k block 4 quads of 32 16-bit words, word l of quad c holding columns
+    4c .. 4c + 3 at k = 32 g + l in its bits 0-3, 4-7, 8-11, 12-15; as bytes [P, K/2, 16]."""
+    panels, k = fields.shape[:2]
+    f = fields.int().view(panels, k // 32, 32, 4, 4)  # [P, g, l, c, s]: column 4c + s
+    words = (f[..., 0] | (f[..., 1] << 4) | (f[..., 2] << 8) | (f[..., 3] << 12)).permute(0, 1, 3, 2)  # [P, g, c, l]
+    return torch.stack([words & 255, words >> 8], dim=-1).to(torch.uint8).reshape(panels, k // 2, 16)
+
+
+def _column_fields(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """`_column_blocks`' inverse: bytes [P, K/2, 16] -> the 4-bit fields [P, K, 16] (0..15)."""
+    panels = len(raw)
+    b = raw.view(torch.uint8).int().view(panels, k // 32, 4, 32, 2)
+    words = b[..., 0] | (b[..., 1] << 8)  # [P, g, c, l]
+    fields = torch.stack([(words >> (4 * s)) & 15 for s in range(4)], dim=-1)  # [P, g, c, l, s]
+    return fields.permute(0, 1, 3, 2, 4).reshape(panels, k, 16)
+
+
 def bf16_pair_order(codes, k: int):
     """`pack_block_codes`' codes (any of its layouts) in `pack_bf16_block_codes`' order, the same dtype and shape."""
     order = _chain_order(k)
@@ -295,20 +315,23 @@ def bf16_pair_order(codes, k: int):
         return codes.reshape(len(codes), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(codes.shape).contiguous()
     raw = codes.view(torch.uint8)  # two a byte: the 4-bit fields moved as they are (a sign stays in its nibble)
     fields = torch.stack([raw & 15, raw >> 4], dim=2).flatten(1, 2)  # [P, K, 16]: k = 2i low, 2i + 1 high
-    if order is not None:
-        fields = fields[:, order]
+    if order is not None:  # tile numerics: column blocks
+        return _column_blocks(fields).view(codes.dtype)
     lanes = fields.reshape(len(raw), k // 2, 2, 2, 8).permute(0, 1, 3, 4, 2).reshape(len(raw), k // 2, 2, 16)
     return (lanes[:, :, 0] | (lanes[:, :, 1] << 4)).view(codes.dtype)
 
 
 def bf16_block_codes_dense(codes, k: int):
     """The codes of `pack_bf16_block_codes` back in `pack_block_codes`' order, one int a code [P, K, 16]."""
+    order = _chain_order(k)
+    if codes.shape[1] != k and order is not None:  # 4-bit codes in column blocks
+        fields = _column_fields(codes, k)
+        return (fields ^ 8) - 8 if codes.dtype == torch.int8 else fields
     if codes.shape[1] == k:
         lanes = codes.view(len(codes), k // 2, 2, 16)
     else:
         lanes = torch.stack(_nibble_halves(codes), dim=2)  # [P, K/2, 2, 16]
     dense = lanes.view(len(codes), k // 2, 2, 8, 2).permute(0, 1, 4, 2, 3).reshape(len(codes), k, 16)
-    order = _chain_order(k)
     return dense if order is None else dense[:, torch.argsort(order)]
 
 

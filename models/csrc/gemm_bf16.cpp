@@ -27,7 +27,9 @@
 // bits of bf16_linear over those panels at every number of rows. Up to kDirectRows rows it
 // rebuilds the weights in registers (Q4_1: 0.625 bytes a weight read instead of the panels' 2);
 // from more rows on it decodes each panel once per kCodeBlockRows rows into a per-thread buffer
-// in the panels' layout and runs the panel kernel's blocks over it.
+// in the panels' layout and runs the panel kernel's blocks over it. (In tile numerics 4-bit codes
+// are kept in column blocks instead and up to kFewRows rows go through the tiles with the weights
+// as A, each column's block of weights looked up in a table of its 16: "Few rows" below.)
 // The rounding: with fp16 d and m every rebuilt w is 0 or a multiple of 2^-24, never an fp32
 // denormal, so vcvtne2ps2bf16 (which would flush one) rounds as torch does; with fp32 d and m
 // (a weight some block of which is not exactly fp16) the integer rounding of vec.h.
@@ -54,6 +56,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -459,11 +462,96 @@ void direct_tn(const uint32_t* x, int64_t ldx, const uint8_t* codes, const S* sc
   store_rows<R, P>(c, y, ldc, cols, bias);
 }
 
-// `count` panels' bf16 weights from their codes (in the chains' order) in pack_bf16_weight's layout, into buf
+// 4-bit codes in column blocks (tile numerics). A column's 32 weights of one block share its d and m, so its
+// codes index a table of the block's 16 weights, bf16(float(q) * d + m) for q = 0..15, one table a column: one
+// vpermw gives a column's 32 bf16 weights of the block, in k order (a row of the tiles' A side, see "Few rows"
+// below). Rebuilt one by one, each 32 weights took two code lookups, a multiply-add per 16 and a conversion,
+// and the conversion and vdpbf16ps each hold port 5 ~2 cycles on Sapphire Rapids (they bound direct_tn).
+// Layout (cpu_kernels.pack_bf16_block_codes): per panel and 32-k block, 4 quads of 32 16-bit words; word l of
+// quad c holds columns 4c .. 4c + 3's codes at k = 32 g + l in its bits 0-3, 4-7, 8-11 and 12-15 (256 bytes,
+// the block's bytes as before, in another order). Bytes (Q8_0) keep the chains' order.
+constexpr int64_t kQuadWords = 32;
+constexpr int64_t kBlockBytes = 4 * kQuadWords * 2;  // a panel's block of 4-bit codes
+
+// One panel's 32-k block as 16 rows [16 columns][32 k] of bf16 weights (w = float(q) * d + m rounded to bf16,
+// the bits pair_weights gives each) into rows
+template <Codes C, typename S>
+inline void decode_rows(const uint8_t* q, const S* d, const S* m, uint16_t* rows) {
+  static_assert(C != Codes::kBytes, "256 codes do not make a table");
+  alignas(64) float df[kPanel], mf[kPanel];
+  _mm512_store_ps(df, vec::load(d));
+  _mm512_store_ps(mf, vec::load(m));
+  __asm__ volatile("" ::: "memory");  // (the broadcasts below read memory: not permutes on port 5)
+  const __m512 codes = C == Codes::kNibbles ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512i low = _mm512_set1_epi16(0xF), second = _mm512_set1_epi16(16);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i w = _mm512_loadu_si512(q + c * kQuadWords * 2);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // columns a and a + 1 share a vector: entries 0-15 a's table, 16-31 a + 1's
+      const int a = 4 * c + 2 * h;
+      const __m512i table = (__m512i)to_bf16<S>(rebuild<S>(codes, _mm512_set1_ps(df[a]), _mm512_set1_ps(mf[a])),
+                                                rebuild<S>(codes, _mm512_set1_ps(df[a + 1]), _mm512_set1_ps(mf[a + 1])));
+      const __m512i ia = _mm512_and_si512(h == 0 ? w : _mm512_srli_epi16(w, 8), low);
+      const __m512i ib = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8 * h + 4), low, second, 0xEA);  // & | 16
+      _mm512_storeu_si512(rows + a * 32, _mm512_permutexvar_epi16(ia, table));
+      _mm512_storeu_si512(rows + (a + 1) * 32, _mm512_permutexvar_epi16(ib, table));
+    }
+  }
+}
+
+// 16 x 16 32-bit words transposed in registers: r[i] becomes column i
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows 0-3 with 4-7, 8-11 with 12-15
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+}
+
+// 16 rows of 16 32-bit words (`in` rows ld_in words apart) transposed into out (rows ld_out words apart; in place
+// where out is in and the strides are equal)
+inline void transpose16(const void* in, int64_t ld_in, void* out, int64_t ld_out) {
+  __m512i r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(static_cast<const uint32_t*>(in) + i * ld_in);
+  transpose16(r);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(static_cast<uint32_t*>(out) + i * ld_out, r[i]);
+}
+
+// `count` panels' bf16 weights from their codes (bytes in the chains' order, 4-bit codes in column blocks) in
+// pack_bf16_weight's layout, into buf
 template <Codes C, typename S>
 void decode_panels_tn(const uint8_t* codes, const S* scales, const S* offsets, int64_t pairs, int64_t count,
                       uint16_t* buf) {
   const int64_t k = 2 * pairs, groups = k / kGroup;
+  if constexpr (C != Codes::kBytes) {  // each block's rows, transposed to pair rows
+    for (int64_t p = 0; p < count; ++p) {
+      const uint8_t* q = codes + p * groups * kBlockBytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        // (asked for ahead, as below: 4 blocks on, the scales 8)
+        for (int64_t line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q + (g + 4) * kBlockBytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(scales + (p * groups + g + 8) * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(offsets + (p * groups + g + 8) * kPanel), _MM_HINT_T0);
+        alignas(64) uint16_t rows[kPanel * 32];
+        decode_rows<C, S>(q + g * kBlockBytes, scales + (p * groups + g) * kPanel, offsets + (p * groups + g) * kPanel, rows);
+        transpose16(rows, kPanel, buf + (p * pairs + g * kBlockPairs) * 2 * kPanel, kPanel);  // to pair rows
+      }
+    }
+    return;
+  }
   for (int64_t p = 0; p < count; ++p) {
     const uint8_t* q = codes + p * (k / per_byte(C)) * kPanel;
     for (int64_t g = 0; g < groups; ++g) {
@@ -500,9 +588,12 @@ template <Codes C, typename S>
 constexpr auto kDirectTn = direct_tns_of<C, S>(std::make_integer_sequence<int, kDirectTnRows>());
 
 // Linux lends a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-// refused (an old kernel, a sandbox): the vdpbf16ps path gives the same bits
+// refused (an old kernel, a sandbox), or TERCET_AMX=0 in the environment: the vdpbf16ps paths give the same bits
 bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  static const bool ok = [] {
+    const char* env = std::getenv("TERCET_AMX");
+    return !(env != nullptr && std::strcmp(env, "0") == 0) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
   return ok;
 }
 
@@ -513,11 +604,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg with the whole 64-byte config as its operand: GCC 12's _tile_loadconfig names only its first 8 bytes
+// as read, so the stores of the rest may be dropped as dead (they were, in a test program: #GP)
+inline void load_tile_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
+
 // Tiles 0-3: y (2 x 2 tiles of 16 rows x 16 fp32), 4-5: x (16 rows x 16 pairs), 6-7: two panels (16 pairs x 32 bf16)
 void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // Pairs [i0, i1) of rows [0, 16), or [0, 32) where TWO (a second row tile; x as pairs words ldx apart, every
@@ -674,6 +769,172 @@ void project_tn_silu(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panel
                    b != nullptr ? b + width + u * kPanel : nullptr, out + r * width + u * kPanel);
       });
 }
+
+// ---- Few rows: the weights as the tiles' A side (4-bit codes) ----
+//
+// y^T = W x^T: A is 16 columns of W over a 32-k block (decode_rows' rows), B is x^T over the block's 16 pairs for
+// the m rows (16 rows of m pairs words), C the 16 columns' sums for the m rows. Each output is the same products
+// in the same k pairs as with x as A (TDPBF16PS sums each over a 32-k block as the top describes, whichever side
+// a factor comes from), so the same bits; and no weight goes through a conversion or a vdpbf16ps of its own.
+// SmolLM2's gate_up (3072 x 576) at one row on one thread, hot in L2: 170 us with direct_tn, 122 this way; its
+// four decoder projections at one row on two threads 1.2-1.3x faster (benchmarks/results/2026-12-06-few-rows).
+// Past 16 rows x^T takes a B tile per 16 rows and the C tiles are transposed back; past 64 rows the buffer
+// path (each block's columns transposed to pair rows) and x as A serve.
+constexpr int64_t kFewRows = 64;     // products of up to this many rows
+constexpr int64_t kGroupRows = 16;   // rows of x^T a B tile holds
+
+// Tiles 0-3: C (16 columns x 16 rows or fewer, fp32), 4, 7 (and 6): B (16 pairs x those rows), 5-6: A (16 columns x
+// 16 pairs). `ld`: rows a B tile holds (m, up to 16)
+void configure_few_tiles(int64_t ld) {
+  TileConfig cfg;
+  for (int t : {0, 1, 2, 3, 4, 7}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * ld);
+  for (int t : {5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  load_tile_config(cfg);
+}
+
+// P panels' products (P x G <= 4 sums tiles) over their codes q[p], d[p], m[p] for G groups of rows: x^T in xt
+// (group g at xt + g * group_words, its pair i's row words at i * ld), panel p's sums of group g into
+// sums[p * G + g] ([16 columns][16] fp32, ld of them; one row: 16 sums). Block b's A rows are decoded while block b - 1's tile ops run. (Tile
+// numbers are immediates: A 5 and 6; B 4, 7, 6 and 4 again; C p * G + g.)
+template <Codes C, typename S, int P, int G>
+void few_rows_unit(const uint32_t* xt, int64_t ld, int64_t group_words, int64_t blocks, const uint8_t* const* q,
+                   const S* const* d, const S* const* m, float (*sums)[kPanel * kGroupRows]) {
+  static_assert(P * G <= 4 && (P == 1 || G <= 2), "four sums tiles, and A and B tiles beside them");
+  alignas(64) uint16_t rows[2][P][kPanel * 32];
+  _tile_zero(0);
+  if constexpr (P * G > 1) _tile_zero(1);
+  if constexpr (P * G > 2) _tile_zero(2);
+  if constexpr (P * G > 3) _tile_zero(3);
+  const int64_t stride = 4 * ld;
+  const auto tiles = [&](int64_t b) {
+    const uint32_t* x = xt + b * kBlockPairs * ld;
+    _tile_loadd(5, rows[b & 1][0], 64);
+    if constexpr (P > 1) _tile_loadd(6, rows[b & 1][1], 64);
+    _tile_loadd(4, x, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (P > 1) {  // (the macros spell their tile numbers: C of panel 1 is G)
+      if constexpr (G == 1) _tile_dpbf16ps(1, 6, 4);
+      else _tile_dpbf16ps(2, 6, 4);
+    }
+    if constexpr (G > 1) {
+      _tile_loadd(7, x + group_words, stride);
+      _tile_dpbf16ps(1, 5, 7);
+      if constexpr (P > 1) _tile_dpbf16ps(3, 6, 7);  // (G = 2)
+    }
+    if constexpr (G > 2) {
+      _tile_loadd(6, x + 2 * group_words, stride);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if constexpr (G > 3) {
+      _tile_loadd(4, x + 3 * group_words, stride);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+      decode_rows<C, S>(q[p] + b * kBlockBytes, d[p] + b * kPanel, m[p] + b * kPanel, rows[b & 1][p]);
+    if (b > 0) tiles(b - 1);
+  }
+  tiles(blocks - 1);
+  const int64_t out_stride = ld == 1 ? 4 : 64;  // (16 columns x 16 rows, to be transposed; one row: 16 sums)
+  _tile_stored(0, sums[0], out_stride);
+  if constexpr (P * G > 1) _tile_stored(1, sums[1], out_stride);
+  if constexpr (P * G > 2) _tile_stored(2, sums[2], out_stride);
+  if constexpr (P * G > 3) _tile_stored(3, sums[3], out_stride);
+}
+
+// m <= kFewRows rows of x (pairs words) against units of two panels of 4-bit codes: panels_of(u) gives unit u's
+// panels (the second -1: none), store(u, r, a, b) takes row r's sums of them (b: zero where none). Up to 32 rows
+// both panels go through the tiles together; from 33 on (3-4 groups of rows) one after the other.
+template <Codes C, typename S, typename PanelsOf, typename Store>
+void few_rows(const uint32_t* xp, int64_t m, int64_t pairs, const uint8_t* codes, const S* scales, const S* offsets,
+              int64_t units, PanelsOf panels_of, Store store) {
+  const int64_t blocks = 2 * pairs / kGroup, cstride = blocks * kBlockBytes, sstride = blocks * kPanel;
+  const int64_t ld = std::min(m, kGroupRows), groups = (m + kGroupRows - 1) / kGroupRows, group_words = pairs * ld;
+  // x^T: [groups][pairs][ld] words, zeros past the last row (the calling thread's, kept: at 64 rows and K = 1536 a
+  // fresh one each call was 196 KB mapped and unmapped, its pages faulted in again each time)
+  thread_local std::vector<uint32_t> transposed, tail;
+  const uint32_t* xt = xp;  // (one row: x^T is x)
+  if (m > 1) {
+    transposed.resize(static_cast<size_t>(groups * group_words));
+    if (ld < kGroupRows) {
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < pairs; ++i) transposed[i * ld + r] = xp[r * pairs + i];
+    } else {  // 16 rows by 16 pairs at a time (a last group's rows past m: zeros)
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint32_t* rows = xp + g * kGroupRows * pairs;
+        if ((g + 1) * kGroupRows > m) {
+          tail.assign(static_cast<size_t>(kGroupRows * pairs), 0u);
+          std::memcpy(tail.data(), rows, static_cast<size_t>((m - g * kGroupRows) * pairs) * sizeof(uint32_t));
+          rows = tail.data();
+        }
+        for (int64_t i = 0; i < pairs; i += kGroupRows)
+          transpose16(rows + i, pairs, transposed.data() + g * group_words + i * kGroupRows, kGroupRows);
+      }
+    }
+    xt = transposed.data();
+  }
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[8][kPanel * kGroupRows];
+    configure_few_tiles(ld);
+    for (int64_t u = begin; u < end; ++u) {
+      const auto [a, b] = panels_of(u);
+      const uint8_t* q[2] = {codes + a * cstride, codes + std::max<int64_t>(b, 0) * cstride};
+      const S* d[2] = {scales + a * sstride, scales + std::max<int64_t>(b, 0) * sstride};
+      const S* mo[2] = {offsets + a * sstride, offsets + std::max<int64_t>(b, 0) * sstride};
+      const auto one = [&](auto tag, int p, float (*out)[kPanel * kGroupRows]) {  // panel p alone, G groups
+        few_rows_unit<C, S, 1, decltype(tag)::value>(xt, ld, group_words, blocks, q + p, d + p, mo + p, out);
+      };
+      const auto two = [&](auto tag) {  // both panels (or the first alone), G groups
+        constexpr int G = decltype(tag)::value;
+        if (b < 0) return few_rows_unit<C, S, 1, G>(xt, ld, group_words, blocks, q, d, mo, sums);
+        if constexpr (G <= 2) few_rows_unit<C, S, 2, G>(xt, ld, group_words, blocks, q, d, mo, sums);
+        else one(tag, 0, sums), one(tag, 1, sums + G);
+      };
+      switch (groups) {
+        case 1: two(std::integral_constant<int, 1>{}); break;
+        case 2: two(std::integral_constant<int, 2>{}); break;
+        case 3: two(std::integral_constant<int, 3>{}); break;
+        default: two(std::integral_constant<int, 4>{}); break;
+      }
+      const int64_t used = (b >= 0 ? 2 : 1) * groups;
+      if (ld > 1)  // [16 columns][16 rows] -> [16 rows][16 columns]
+        for (int64_t t = 0; t < used; ++t) transpose16(sums[t], kPanel, sums[t], kPanel);
+      for (int64_t r = 0; r < m; ++r)
+        store(u, r, _mm512_loadu_ps(sums[r / kGroupRows] + (r % kGroupRows) * kPanel),
+              b >= 0 ? _mm512_loadu_ps(sums[groups + r / kGroupRows] + (r % kGroupRows) * kPanel) : _mm512_setzero_ps());
+    }
+    _tile_release();
+  });
+}
+
+// bf16_block_linear over 4-bit codes for m <= kFewRows rows: units of two consecutive panels
+template <Codes C, typename S>
+void few_rows_linear(const uint32_t* xp, int64_t m, int64_t pairs, const uint8_t* c, const S* d, const S* mo,
+                     int64_t panels, int64_t n, const float* bias, c10::BFloat16* out) {
+  few_rows<C, S>(
+      xp, m, pairs, c, d, mo, (panels + 1) / 2,
+      [&](int64_t u) { return std::pair<int64_t, int64_t>{2 * u, 2 * u + 1 < panels ? 2 * u + 1 : -1}; },
+      [&](int64_t u, int64_t r, __m512 a, __m512 b) {
+        const __m512 sums[1][2] = {{a, b}};
+        store_rows<1, 2>(sums, out + r * n + u * 2 * kPanel, n, std::min(2 * kPanel, n - u * 2 * kPanel),
+                         bias != nullptr ? bias + u * 2 * kPanel : nullptr);
+      });
+}
+
+// bf16_block_linear_silu over 4-bit codes for m <= kFewRows rows: gate's panel u with up's u + panels / 2
+template <Codes C, typename S>
+void few_rows_silu(const uint32_t* xp, int64_t m, int64_t pairs, const uint8_t* c, const S* d, const S* mo,
+                   int64_t panels, const float* bias, c10::BFloat16* out) {
+  const int64_t half = panels / 2, width = half * kPanel;
+  few_rows<C, S>(
+      xp, m, pairs, c, d, mo, half, [&](int64_t u) { return std::pair<int64_t, int64_t>{u, u + half}; },
+      [&](int64_t u, int64_t r, __m512 gate, __m512 up) {
+        silu_store(gate, up, bias != nullptr ? bias + u * kPanel : nullptr,
+                   bias != nullptr ? bias + width + u * kPanel : nullptr, out + r * width + u * kPanel);
+      });
+}
 #endif
 
 // x [M, K] bf16 as the blocks read it: each row's pairs of inputs as 32-bit words, in place, or
@@ -769,6 +1030,19 @@ void codes_linear(const uint32_t* xp, int64_t m, const uint8_t* c, const S* d, c
                   int64_t pairs, int64_t n, const float* b, c10::BFloat16* out) {
   const int64_t k = 2 * pairs, sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's
 #if TERCET_TILE_NUMERICS
+  // 4-bit codes in column blocks: few rows take them as the tiles' A side; without AMX the buffer path serves
+  constexpr bool columns = C != Codes::kBytes;
+  if constexpr (columns) {
+    if (m <= kFewRows && amx_permitted()) {
+      few_rows_linear<C, S>(xp, m, pairs, c, d, mo, panels, n, b, out);
+      return;
+    }
+  }
+#else
+  constexpr bool columns = false;
+#endif
+  if constexpr (!columns) {
+#if TERCET_TILE_NUMERICS
   constexpr int64_t direct_rows = kDirectTnRows;
   const auto& directs = kDirectTn<C, S>;
   const auto width_of = direct_tn_panels;
@@ -789,6 +1063,7 @@ void codes_linear(const uint32_t* xp, int64_t m, const uint8_t* c, const S* d, c
       }
     });
     return;
+  }
   }
   // else each unit of panels decoded once per pass of rows into this thread's buffer, in the panels' layout
   const auto decoded = [&](int64_t p, int64_t count, std::vector<uint16_t>& buf) {
@@ -907,7 +1182,8 @@ at::Tensor bf16_block_linear_silu(const at::Tensor& x, const at::Tensor& codes, 
   if (m == 0) return out;
 #if TERCET_TILE_NUMERICS
   static_assert(kAmxRows > kDirectTnRows, "the tiles serve none of the direct path's row counts");
-  if (m >= kAmxRows && amx_permitted()) {
+  const bool few = nibbles && m <= kFewRows;  // (4-bit codes: the weights as the tiles' A side)
+  if ((few || m >= kAmxRows) && amx_permitted()) {
     const auto xin = x.contiguous();
     std::vector<uint32_t> padded;
     const int64_t pairs = k / 2;
@@ -917,6 +1193,9 @@ at::Tensor bf16_block_linear_silu(const at::Tensor& x, const at::Tensor& codes, 
       constexpr Codes C = decltype(codes_tag)::value;
       using S = std::remove_const_t<std::remove_pointer_t<decltype(d)>>;
       const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+      if constexpr (C != Codes::kBytes) {
+        if (few) return few_rows_silu<C, S>(xp, m, pairs, c, d, mo, panels, b, o);
+      }
       const int64_t sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's, each
       project_tn_silu(xp, m, pairs, panels, b, o, [&](int64_t p, std::vector<uint16_t>& buf, int64_t at) {
         decode_panels_tn<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, pairs, 1, buf.data() + at);

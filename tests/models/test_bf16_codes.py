@@ -1,12 +1,17 @@
 """GGUF block codes in a bf16 model (csrc/gemm_bf16.cpp `bf16_block_linear`): the weights stay codes,
 and every product has the bits of the bf16 panels (`bf16_linear`) over the same weights rounded to
 bf16, at every number of rows (the direct path's 1 to 8, the buffer path past it, one pass and
-several), for each block type, with and without a bias: whichever of the two serves a row count, a
-row gets the bits of one kernel.
+several; in tile numerics 4-bit codes take the weights-as-A tiles up to 64 rows), for each block
+type, with and without a bias: whichever of the two serves a row count, a row gets the bits of one
+kernel.
 """
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,8 +174,9 @@ def test_bf16_block_linear_refuses_what_does_not_fit(bf16):
 def test_gate_up_with_silu_in_one_op_gives_silu_muls_bits(bf16, kind):
     """bf16_(block_)linear_silu == silu_mul(bf16_(block_)linear) bit for bit at every row count (the tiles'
     units of gate's and up's panels from 4 rows on, K in chunks from 128, a second block of rows past 512;
-    the plain product then silu_mul below 4), with and without a bias, from codes and from panels; fp32
-    scales too (a block no fp16 holds)."""
+    the plain product then silu_mul below 4; 4-bit codes in tile numerics: the weights as the tiles' A
+    side up to 64 rows, one to four groups of 16), with and without a bias, from codes and from panels;
+    fp32 scales too (a block no fp16 holds)."""
     weight = quantized(192, 320, kind, seed=3)  # gate 96 (6 panels) and up 96; K = 320: 10 blocks, uneven chunks
     weight[100, 32:64] = 0.1  # a block no fp16 d and m hold: this weight's scales stay fp32
     assert cpu_kernels.pack_bf16_block_codes(weight)[1].dtype == torch.float32
@@ -181,7 +187,7 @@ def test_gate_up_with_silu_in_one_op_gives_silu_muls_bits(bf16, kind):
         codes = cpu_kernels.pack_bf16_block_codes(w)
         panels = cpu_kernels.pack_bf16_weight(w.bfloat16())
         for b in (None, bias.bfloat16(), bias):
-            for m in (1, 2, 3, 4, 5, 16, 17, 33, 64, 127, 128, 129, 513, 600):
+            for m in (1, 2, 3, 4, 5, 15, 16, 17, 32, 33, 48, 49, 64, 65, 127, 128, 129, 513, 600):
                 want = cpu_kernels.silu_mul(cpu_kernels.bf16_linear(x[:m], panels, 192, b))
                 ours = cpu_kernels.bf16_block_linear_silu(x[:m], *codes, 192, b)
                 assert ours.shape == (m, 96) and torch.equal(ours, want), f"codes, {m} rows, bias {b is not None}"
@@ -191,6 +197,35 @@ def test_gate_up_with_silu_in_one_op_gives_silu_muls_bits(bf16, kind):
         cpu_kernels.bf16_linear_silu(x[:4], cpu_kernels.pack_bf16_weight(weight[:176].bfloat16()), 176)
     with pytest.raises(RuntimeError, match="bias"):
         cpu_kernels.bf16_block_linear_silu(x[:0], *cpu_kernels.pack_bf16_block_codes(weight), 192, bias[:191])
+
+
+_REFUSED = """
+import torch
+from models import cpu_kernels
+from gguf_weights import quantized
+assert cpu_kernels.load() and not cpu_kernels.bf16_amx_serves()
+for kind in ("q4_1", "q4_0", "q8_0"):
+    weight = quantized(96, 320, kind, seed=5)
+    codes, panels = cpu_kernels.pack_bf16_block_codes(weight), cpu_kernels.pack_bf16_weight(weight.bfloat16())
+    x = torch.randn(130, 320, generator=torch.Generator().manual_seed(6)).bfloat16()
+    for m in (1, 2, 3, 16, 17, 64, 65, 130):
+        assert torch.equal(cpu_kernels.bf16_block_linear(x[:m], *codes, 96), cpu_kernels.bf16_linear(x[:m], panels, 96)), (kind, m)
+        assert torch.equal(cpu_kernels.bf16_block_linear_silu(x[:m], *codes, 96),
+                           cpu_kernels.silu_mul(cpu_kernels.bf16_linear(x[:m], panels, 96))), (kind, m)
+print("same bits")
+"""
+
+
+def test_codes_without_amx_give_the_same_bits(bf16):
+    """Where Linux lends no AMX (TERCET_AMX=0 stands in for an old kernel or a sandbox), the codes go through
+    the vdpbf16ps paths (4-bit codes in tile numerics: each block's columns decoded and transposed to the
+    panels' pair rows): the bits of the panels at every row count, the silu op's too."""
+    if not cpu_kernels.bf16_tile_numerics():
+        pytest.skip("no AMX-BF16 on this CPU: the vdpbf16ps numerics serve everywhere already")
+    here = Path(__file__).parent
+    env = {**os.environ, "TERCET_AMX": "0", "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])])}
+    done = subprocess.run([sys.executable, "-c", _REFUSED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "same bits" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("code_rows", [None, 2])
