@@ -491,8 +491,9 @@ inline void decode_rows(const uint8_t* q, const S* d, const S* m, uint16_t* rows
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // columns a and a + 1 share a vector: entries 0-15 a's table, 16-31 a + 1's
       const int a = 4 * c + 2 * h;
-      const __m512i table = (__m512i)to_bf16<S>(rebuild<S>(codes, _mm512_set1_ps(df[a]), _mm512_set1_ps(mf[a])),
-                                                rebuild<S>(codes, _mm512_set1_ps(df[a + 1]), _mm512_set1_ps(mf[a + 1])));
+      const __m512 ta = rebuild<S>(codes, _mm512_set1_ps(df[a]), _mm512_set1_ps(mf[a]));
+      const __m512 tb = rebuild<S>(codes, _mm512_set1_ps(df[a + 1]), _mm512_set1_ps(mf[a + 1]));
+      const __m512i table = (__m512i)to_bf16<S>(ta, tb);
       const __m512i ia = _mm512_and_si512(h == 0 ? w : _mm512_srli_epi16(w, 8), low);
       const __m512i ib = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8 * h + 4), low, second, 0xEA);  // & | 16
       _mm512_storeu_si512(rows + a * 32, _mm512_permutexvar_epi16(ia, table));
@@ -505,7 +506,10 @@ inline void decode_rows(const uint8_t* q, const S* d, const S* m, uint16_t* rows
 inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16];
 #pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
 #pragma GCC unroll 4
   for (int i = 0; i < 16; i += 4) {
     r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
@@ -513,11 +517,16 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows 0-3 with 4-7, 8-11 with 12-15
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
 }
 
 // 16 rows of 16 32-bit words (`in` rows ld_in words apart) transposed into out (rows ld_out words apart; in place
@@ -541,12 +550,14 @@ void decode_panels_tn(const uint8_t* codes, const S* scales, const S* offsets, i
     for (int64_t p = 0; p < count; ++p) {
       const uint8_t* q = codes + p * groups * kBlockBytes;
       for (int64_t g = 0; g < groups; ++g) {
-        // (asked for ahead, as below: 4 blocks on, the scales 8)
-        for (int64_t line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q + (g + 4) * kBlockBytes + line), _MM_HINT_T0);
+        // (asked for ahead, as below: the codes 4 blocks on, the scales 8)
+        for (int64_t line = 0; line < kBlockBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q + (g + 4) * kBlockBytes + line), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(scales + (p * groups + g + 8) * kPanel), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(offsets + (p * groups + g + 8) * kPanel), _MM_HINT_T0);
         alignas(64) uint16_t rows[kPanel * 32];
-        decode_rows<C, S>(q + g * kBlockBytes, scales + (p * groups + g) * kPanel, offsets + (p * groups + g) * kPanel, rows);
+        decode_rows<C, S>(q + g * kBlockBytes, scales + (p * groups + g) * kPanel, offsets + (p * groups + g) * kPanel,
+                          rows);
         transpose16(rows, kPanel, buf + (p * pairs + g * kBlockPairs) * 2 * kPanel, kPanel);  // to pair rows
       }
     }
@@ -573,7 +584,8 @@ void decode_panels_tn(const uint8_t* codes, const S* scales, const S* offsets, i
   }
 }
 
-// Products of up to this many rows from the codes in registers; from 3 rows on, each unit's codes decoded once
+// Products of up to this many rows from the codes in registers (bytes: 4-bit codes go through few_rows, or the
+// buffer path without AMX); from 3 rows on, each unit's codes decoded once
 // into a buffer and the tiles (or block_tn) over it are faster: over SmolLM2's projections at 3 and 4 rows,
 // 12.5 and 10.5 ms where direct_tn took 20.4 and 23.2 (and the bf16 panels 16.8 and 12.2)
 constexpr int64_t kDirectTnRows = 2;
@@ -794,8 +806,9 @@ void configure_few_tiles(int64_t ld) {
 
 // P panels' products (P x G <= 4 sums tiles) over their codes q[p], d[p], m[p] for G groups of rows: x^T in xt
 // (group g at xt + g * group_words, its pair i's row words at i * ld), panel p's sums of group g into
-// sums[p * G + g] ([16 columns][16] fp32, ld of them; one row: 16 sums). Block b's A rows are decoded while block b - 1's tile ops run. (Tile
-// numbers are immediates: A 5 and 6; B 4, 7, 6 and 4 again; C p * G + g.)
+// sums[p * G + g] ([16 columns][16] fp32, ld of each 16 used; one row: 16 sums in a row). Block b's A rows are
+// decoded while block b - 1's tile ops run. (Tile numbers are immediates: A 5 and 6; B 4, 7, 6 and 4 again;
+// C p * G + g.)
 template <Codes C, typename S, int P, int G>
 void few_rows_unit(const uint32_t* xt, int64_t ld, int64_t group_words, int64_t blocks, const uint8_t* const* q,
                    const S* const* d, const S* const* m, float (*sums)[kPanel * kGroupRows]) {
@@ -903,7 +916,8 @@ void few_rows(const uint32_t* xp, int64_t m, int64_t pairs, const uint8_t* codes
         for (int64_t t = 0; t < used; ++t) transpose16(sums[t], kPanel, sums[t], kPanel);
       for (int64_t r = 0; r < m; ++r)
         store(u, r, _mm512_loadu_ps(sums[r / kGroupRows] + (r % kGroupRows) * kPanel),
-              b >= 0 ? _mm512_loadu_ps(sums[groups + r / kGroupRows] + (r % kGroupRows) * kPanel) : _mm512_setzero_ps());
+              b >= 0 ? _mm512_loadu_ps(sums[groups + r / kGroupRows] + (r % kGroupRows) * kPanel)
+                     : _mm512_setzero_ps());
     }
     _tile_release();
   });
@@ -1041,29 +1055,30 @@ void codes_linear(const uint32_t* xp, int64_t m, const uint8_t* c, const S* d, c
 #else
   constexpr bool columns = false;
 #endif
-  if constexpr (!columns) {
+  if constexpr (!columns) {  // bytes in any numerics, and every code in vdpbf16ps's
 #if TERCET_TILE_NUMERICS
-  constexpr int64_t direct_rows = kDirectTnRows;
-  const auto& directs = kDirectTn<C, S>;
-  const auto width_of = direct_tn_panels;
+    constexpr int64_t direct_rows = kDirectTnRows;
+    const auto& directs = kDirectTn<C, S>;
+    const auto width_of = direct_tn_panels;
 #else
-  constexpr int64_t direct_rows = kDirectRows;
-  const auto& directs = kDirect<C, S>;
-  const auto width_of = direct_panels;
+    constexpr int64_t direct_rows = kDirectRows;
+    const auto& directs = kDirect<C, S>;
+    const auto width_of = direct_panels;
 #endif
-  if (m <= direct_rows) {  // straight from the codes
-    const int64_t width = width_of(static_cast<int>(m));
-    at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
-        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
-        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        directs[m - 1](xp, pairs, c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count, out + p * kPanel, n,
-                       cols, pb);
-      }
-    });
-    return;
-  }
+    if (m <= direct_rows) {  // straight from the codes
+      const int64_t width = width_of(static_cast<int>(m));
+      const int64_t grain = std::max<int64_t>(1, 16 / width);
+      at::parallel_for(0, (panels + width - 1) / width, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
+          const int64_t cols = std::min(count * kPanel, n - p * kPanel);
+          const float* pb = b != nullptr ? b + p * kPanel : nullptr;
+          directs[m - 1](xp, pairs, c + p * cstride, d + p * sstride, mo + p * sstride, pairs, count,
+                         out + p * kPanel, n, cols, pb);
+        }
+      });
+      return;
+    }
   }
   // else each unit of panels decoded once per pass of rows into this thread's buffer, in the panels' layout
   const auto decoded = [&](int64_t p, int64_t count, std::vector<uint16_t>& buf) {
