@@ -101,8 +101,9 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
     projections = runner.model.projections()
     coded = sum(lin.codes is not None for lin in projections)
     tiles = runner.dtype == torch.bfloat16 and runner.model.kernel and cpu_kernels.bf16_amx_serves()
+    amx = "; AMX tiles for 4-bit codes at every row count, other products from 4 rows" if tiles else ""
     gemm = (f", tercet's {str(runner.dtype).removeprefix('torch.')} GEMM ({coded} of {len(projections)} projections "
-            f"as GGUF block codes{'; AMX tiles for products of 4 rows or more' if tiles else ''})"
+            f"as GGUF block codes{amx})"
             if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
     log.info("model runner: %s (dtype %s), %s, %d threads%s%s; deterministic inference %s", runner.dtype,
              config.dtype, runner.device, torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm,
