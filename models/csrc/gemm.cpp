@@ -362,7 +362,8 @@ void decode_panels(const uint8_t* codes, const S* scales, const S* offsets, int6
 // as block's. For products of a few rows (decode at low concurrency), where decoding into a
 // buffer and reading it back costs as much as the weights' bytes save (1.4-2.2x, bench_gemm).
 // k goes in pairs (a byte of nibbles), each accumulator fed k = i, then i + 1. The group's d and m
-// are taken as fp32 once per group. Panels past `count` repeat panel 0 (computed, not stored).
+// are taken as fp32 once per group. Panels past `count` repeat panel 0 (computed, not stored). One row
+// is read in place on either build (x itself: no grouped copy to make).
 template <int R, int P, Codes C, typename S>
 void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
             int64_t count, float* y, int64_t ldc, int64_t cols, const float* bias) {
@@ -386,8 +387,8 @@ void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, 
       vec::vf a0[R], a1[R];
 #pragma GCC unroll 32
       for (int r = 0; r < R; ++r) {
-        a0[r] = vec::set1(kInPlace ? x[r * ldx + i] : x[i * kRows + r]);
-        a1[r] = vec::set1(kInPlace ? x[r * ldx + i + 1] : x[(i + 1) * kRows + r]);
+        a0[r] = vec::set1(kInPlace || R == 1 ? x[r * ldx + i] : x[i * kRows + r]);
+        a1[r] = vec::set1(kInPlace || R == 1 ? x[r * ldx + i + 1] : x[(i + 1) * kRows + r]);
       }
 #pragma GCC unroll 32
       for (int v = 0; v < V; ++v) {
@@ -419,6 +420,13 @@ constexpr std::array<DirectFn<C, S>, kDirectRows> directs_of(std::integer_sequen
 // kDirect<C, S>[rows - 1]
 template <Codes C, typename S>
 constexpr auto kDirect = directs_of<C, S>(std::make_integer_sequence<int, kDirectRows>());
+// Half as wide (at least a panel), for the panels left after a thread's whole calls
+template <Codes C, typename S, int... R>
+constexpr std::array<DirectFn<C, S>, kDirectRows> narrow_directs_of(std::integer_sequence<int, R...>) {
+  return {&direct<R + 1, std::max(1, direct_panels(R + 1) / 2), C, S>...};
+}
+template <Codes C, typename S>
+constexpr auto kDirectNarrow = narrow_directs_of<C, S>(std::make_integer_sequence<int, kDirectRows>());
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -519,17 +527,26 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
   if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes
     const int64_t m = x.size(0);
     const int64_t width = direct_panels(static_cast<int>(m));
-    const auto rows_in = block_rows_of(x);
+    const auto rows_in = m == 1 ? x.contiguous() : block_rows_of(x);  // (one row is read in place: see direct)
     const float* a = rows_in.data_ptr<float>();
     auto y = at::empty({m, n}, x.options());
     float* out = y.data_ptr<float>();
-    at::parallel_for(0, (panels + width - 1) / width, std::max<int64_t>(1, 16 / width), [&](int64_t begin, int64_t end) {
+    // Each thread takes an even share of the panels, in calls of `width` and a narrower one for what is
+    // left (SmolLM2's qkv, 15 panels, went to one thread as units of 4 with a grain; o and down, 9
+    // units, split 5 / 4). Which thread computes a column does not change its bits.
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
-        const int64_t cols = std::min(count * kPanel, n - p * kPanel);
-        const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-        kDirect<C, S>[m - 1](a, k, c + p * cstride, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n,
-                             cols, pb);
+        const int64_t last = panels * (t + 1) / threads;
+        for (int64_t p = panels * t / threads; p < last;) {
+          const int64_t count = std::min<int64_t>(width, last - p);
+          const int64_t cols = std::min(count * kPanel, n - p * kPanel);
+          const float* pb = b != nullptr ? b + p * kPanel : nullptr;
+          const auto& fns = count * 2 <= width ? kDirectNarrow<C, S> : kDirect<C, S>;
+          fns[m - 1](a, k, c + p * cstride, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols,
+                     pb);
+          p += count;
+        }
       }
     });
     return y;
