@@ -85,7 +85,7 @@ constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
 // two rows than two panels, Q4_1 and Q8_0 alike, on an AVX-512 Xeon built for AVX2); AVX-512 4 for
 // one row (8 panels split 576 columns unevenly between two threads and measured no faster), 8 for
 // two, and a block's 3 panels from three rows up
-constexpr int direct_panels(int rows) { return rows == 1 ? 4 : rows == 2 ? (kVecs == 2 ? 1 : 4) : kPanels; }
+constexpr int direct_panels(int rows) { return rows == 1 ? (kVecs == 2 ? 2 : 4) : rows == 2 ? (kVecs == 2 ? 1 : 4) : kPanels; }
 // The rows' inputs: read in place on AVX-512 (grouping them measured 5-20 % slower at 1-8 rows),
 // grouped by kRows, interleaved [k][kRows], on AVX2 (one stream for the broadcasts; in place
 // measured 15-25 % slower at 8-32 rows). Row r's input i at xr[r][i * kStep].
