@@ -62,9 +62,11 @@ def main(argv=None) -> int:
     bf16_ok = cpu_kernels.bf16_linear_available()
     results = []
     generator = torch.Generator().manual_seed(0)
+    # (the bf16 columns alone repeated by bf16_ok: adjacent literals join first, so unparenthesised the whole
+    # header was multiplied by it and vanished on a CPU without bf16 units)
     print(f"{'shape':>8} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'tercet ms':>10} "
           f"{'tercet GF/s':>12} {'vs F.linear':>12} {'vs oneDNN':>10} {'codes ms':>9} {'vs tercet':>10}"
-          f"{' bf16 oneDNN ms':>15} {'bf16 ms':>8} {'vs oneDNN':>10}" * bf16_ok,
+          + f"{' bf16 oneDNN ms':>15} {'bf16 ms':>8} {'vs oneDNN':>10}" * bf16_ok,
           file=sys.stderr)
     for name, (n, k) in shapes.items():
         count = 2 if args.smoke else max(1, min(64, 96_000_000 // (4 * n * k)))
