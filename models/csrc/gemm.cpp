@@ -80,12 +80,16 @@ constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_
 constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
 #if TERCET_GEMM
 constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
-// Panels per call of the direct code paths, by rows: AVX2 8 accumulator chains for one row, 4 for
-// two (with k in pairs for the nibbles, 8 spilled to the stack: one panel measured 5-10 % faster at
-// two rows than two panels, Q4_1 and Q8_0 alike, on an AVX-512 Xeon built for AVX2); AVX-512 4 for
+// Panels per call of the direct code paths, by rows: AVX2 4 accumulator chains for one row (two panels,
+// the group's d and m in registers; four panels spilled them and made SmolLM2's projections 4-8 % slower
+// on a Zen 3 EPYC), 4 for two (with k in pairs for the nibbles, 8 spilled to the stack: one panel
+// measured 5-10 % faster at two rows than two panels, Q4_1 and Q8_0 alike, on an AVX-512 Xeon built
+// for AVX2); AVX-512 4 for
 // one row (8 panels split 576 columns unevenly between two threads and measured no faster), 8 for
 // two, and a block's 3 panels from three rows up
-constexpr int direct_panels(int rows) { return rows == 1 ? (kVecs == 2 ? 2 : 4) : rows == 2 ? (kVecs == 2 ? 1 : 4) : kPanels; }
+constexpr int direct_panels(int rows) {
+  return rows == 1 ? (kVecs == 2 ? 2 : 4) : rows == 2 ? (kVecs == 2 ? 1 : 4) : kPanels;
+}
 // The rows' inputs: read in place on AVX-512 (grouping them measured 5-20 % slower at 1-8 rows),
 // grouped by kRows, interleaved [k][kRows], on AVX2 (one stream for the broadcasts; in place
 // measured 15-25 % slower at 8-32 rows). Row r's input i at xr[r][i * kStep].

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -217,10 +218,10 @@ constexpr int kMaxGroup = 16;  // query heads per kv head
 template <int C>
 constexpr int kHeadsAtOnce = std::max(1, std::min(6, (L == 16 ? 24 : 12) / C));
 
-// acc[h] += the m values weighted by head h's weights, key after key, for H heads at once (their
-// weights score_stride() apart, their sums C * L apart)
+// acc[h] += the m values (values[i]: key i's) weighted by head h's weights, key after key, for H heads at
+// once (their weights score_stride() apart, their sums C * L apart)
 template <int C, int H>
-inline void weigh_values(const float* weights, const float* values, int64_t m, float* part) {
+inline void weigh_values(const float* weights, const float* const* values, int64_t m, float* part) {
   using namespace vec;
   vf acc[H][C];
   for (int h = 0; h < H; ++h)
@@ -228,7 +229,7 @@ inline void weigh_values(const float* weights, const float* values, int64_t m, f
   for (int64_t i = 0; i < m; ++i) {
     for (int h = 0; h < H; ++h) {
       const vf p = set1(weights[h * score_stride() + i]);
-      for (int c = 0; c < C; ++c) acc[h][c] = fmadd(p, load(values + i * C * L + c * L), acc[h][c]);
+      for (int c = 0; c < C; ++c) acc[h][c] = fmadd(p, load(values[i] + c * L), acc[h][c]);
     }
   }
   for (int h = 0; h < H; ++h)
@@ -237,7 +238,8 @@ inline void weigh_values(const float* weights, const float* values, int64_t m, f
 
 // One split of kv heads [h, h + nh) for rows [count] of a sequence (spans [nh][count]: head h + i's are
 // rows + i * count), every row's keys among [lo, hi), taken a block of L keys at a time: the block's
-// keys read once as floats into L1 (exact), a head at a time, then by every row; likewise its values.
+// keys read once as floats into L1 (exact; an fp32 cache is read in place, a copy being the same floats),
+// a head at a time, then by every row; likewise its values.
 // With all of a key's heads in one call (nh = kv_heads) a thread reads each slot whole, in order: the
 // cache's lines as one stream, where a pass per head read every third 128 bytes. Per row and query head,
 // as if the row were alone: a score per key (a vector of products over d, its lanes added in
@@ -258,26 +260,33 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
   int64_t slots[kSplit];
   slots_of(cache.pages, lo, hi, s.page_size, slots);
   alignas(64) float block[L][C * L];
+  const float* row_of[L];  // key j of the block: its floats (in block, or in a float cache itself)
   // The split's blocks in the order they are read: the keys' [0, blocks), then the values' [blocks, 2 blocks).
   // While a block's head h + i is staged, the next block's is asked for (the values' first after the keys'
   // last); asking 2 or 3 blocks ahead measured slower.
   const int64_t blocks = (hi - lo + L - 1) / L;
   const auto staged = [&](bool values, int64_t t0, int64_t i) {  // head h + i's keys (or values) [t0, t0 + m)
-    const int64_t m = std::min<int64_t>(L, hi - t0);              // into block; m
+    const int64_t m = std::min<int64_t>(L, hi - t0);              // at row_of; m
     const int64_t next = (values ? blocks : 0) + (t0 - lo) / L + 1;
     if (next < 2 * blocks) {
       const int64_t first = (next % blocks) * L;
       ask_for<T, C>(next < blocks ? cache.k : cache.v, slots + first, std::min<int64_t>(L, hi - lo - first), s, h + i);
     }
-    stage<T, C>(values ? cache.v : cache.k, slots + (t0 - lo), m, s, h + i, block);
+    const T* from = values ? cache.v : cache.k;
+    if constexpr (std::is_same_v<T, float>) {  // read where they are (a copy would be the same floats)
+      for (int64_t j = 0; j < m; ++j) row_of[j] = from + (slots[t0 - lo + j] * s.kv_heads + h + i) * C * L;
+    } else {
+      stage<T, C>(from, slots + (t0 - lo), m, s, h + i, block);
+      for (int64_t j = 0; j < m; ++j) row_of[j] = block[j];
+    }
     return m;
   };
   for (int64_t t0 = lo; t0 < hi; t0 += L) {
     for (int64_t i = 0; i < nh; ++i) {
       const int64_t m = staged(false, t0, i);
       const auto dot = [&](const vf (&q_g)[C], int64_t j) {
-        vf d = mul(q_g[0], load(block[j]));
-        for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(block[j] + c * L), d);
+        vf d = mul(q_g[0], load(row_of[j]));
+        for (int c = 1; c < C; ++c) d = fmadd(q_g[c], load(row_of[j] + c * L), d);
         return d;
       };
       for (int64_t k = i * count; k < (i + 1) * count; ++k) {
@@ -331,7 +340,7 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
         for (int64_t g = 0; g < group;) {  // the heads' sums in registers over the block, a few heads at a time
           const int64_t heads = std::min<int64_t>(group - g, kHeadsAtOnce<C>);
           const float* weights = scores_of(k, g) + (a - row.first);
-          const float* from = block[a - t0];
+          const float* const* from = row_of + (a - t0);
           float* sums = row.part + g * dim;
           switch (heads) {
             case 1: weigh_values<C, 1>(weights, from, b - a, sums); break;
@@ -482,13 +491,24 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   }
   const int64_t tasks = rows * s.kv_heads * most;
   std::vector<float> parts(static_cast<size_t>(tasks * size));
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // the tasks the threads take in turn, the most keys first (a row's last split is short: static halves of
+  // one row's 3 kv heads x 2 splits gave one thread 586 keys and the other 404)
+  std::vector<int64_t> order, keys(static_cast<size_t>(tasks));
+  for (int64_t task = 0; task < tasks; ++task) {
+    const auto [first, last] = range(lens[task / most / s.kv_heads], task % most);
+    keys[task] = last - first;
+    if (first < last) order.push_back(task);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] > keys[b]; });
+  const int64_t count = static_cast<int64_t>(order.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
     Scratch& scratch = thread_scratch();
     float* query = scratch.query.at_least(group * dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t item = task / most, j = task % most, row = item / s.kv_heads, h = item % s.kv_heads;
+    for (int64_t i = next++; i < count; i = next++) {
+      const int64_t task = order[i], item = task / most, j = task % most;
+      const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
       const auto [first, last] = range(lens[row], j);
-      if (first >= last) continue;
       scaled(row, h, query);
       const RowSpan span{query, first, last, parts.data() + task * size};
       split(&span, 1, 1, cache_of(row), h, first, last, s, scratch);
