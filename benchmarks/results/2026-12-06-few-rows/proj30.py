@@ -13,7 +13,7 @@ def nbytes(lin):
 res = []
 for name in ("qkv", "o", "gate_up", "down"):
     lins = [getattr(l, name) for l in layers]
-    x = torch.randn(M, lins[0].shape[1]).to(torch.bfloat16)
+    x = torch.randn(M, lins[0].shape[1]).to(model.dtype)
     for lin in lins: lin(x)
     best = 1e9
     for rep in range(20):
@@ -23,7 +23,7 @@ for name in ("qkv", "o", "gate_up", "down"):
     b = sum(nbytes(l) for l in lins)
     res.append(f"{name}: {1e6*best/len(lins):.1f} us {b/best/1e9:.1f} GB/s")
 lin = model.lm_head
-x = torch.randn(M, lin.shape[1]).to(torch.bfloat16)
+x = torch.randn(M, lin.shape[1]).to(model.dtype)
 best = 1e9
 for rep in range(10):
     t0 = time.perf_counter(); lin(x); best = min(best, time.perf_counter() - t0)
