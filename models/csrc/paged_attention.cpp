@@ -32,9 +32,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"

@@ -73,32 +73,34 @@ def runner(tiny_loaded):
     return ModelRunner(tiny_loaded, dtype=torch.float32)
 
 
-@pytest.fixture
-def baseline(runner, tokenizer):
-    """What a fault-free server answers: the runner's own output (the engine
-    tests show the two agree), decoded as the detokenizer does."""
+def runner_answers(runner, tokenizer, bodies):
+    """{rid: (text, ids)}: the runner's own output for ``bodies``, decoded as the detokenizer does.
+    Greedy requests with the same parameters run as one batch (in float32 the tiny model's greedy
+    tokens do not depend on the batch: the server's batches show it); sampled ones alone."""
     from models.runner import generate
     from serving.managers.batching import to_model_sampling
     from serving.managers.messages import SamplingParams
 
-    def expected(bodies):
-        # greedy requests with the same parameters run as one batch (in float32 the tiny model's
-        # greedy tokens do not depend on the batch: the server's batches show it); sampled ones alone
-        groups: dict[str, list[dict]] = {}
-        for body in bodies:
-            greedy = body["sampling_params"].get("temperature") == 0.0
-            key = json.dumps(body["sampling_params"], sort_keys=True) if greedy else body["rid"]
-            groups.setdefault(key, []).append(body)
-        out = {}
-        for group in groups.values():
-            sampling = SamplingParams(**group[0]["sampling_params"])
-            answers = generate(runner, [body["input_ids"] for body in group], sampling.max_new_tokens,
-                               to_model_sampling(sampling))
-            for body, ids in zip(group, answers):
-                out[body["rid"]] = (tokenizer.decode(ids, skip_special_tokens=True), ids)
-        return out
+    groups: dict[str, list[dict]] = {}
+    for body in bodies:
+        greedy = body["sampling_params"].get("temperature") == 0.0
+        key = json.dumps(body["sampling_params"], sort_keys=True) if greedy else body["rid"]
+        groups.setdefault(key, []).append(body)
+    out = {}
+    for group in groups.values():
+        sampling = SamplingParams(**group[0]["sampling_params"])
+        answers = generate(runner, [body["input_ids"] for body in group], sampling.max_new_tokens,
+                           to_model_sampling(sampling))
+        for body, ids in zip(group, answers):
+            out[body["rid"]] = (tokenizer.decode(ids, skip_special_tokens=True), ids)
+    return out
 
-    return expected
+
+@pytest.fixture
+def baseline(runner, tokenizer):
+    """What a fault-free server answers: the runner's own output (the engine
+    tests show the two agree), decoded as the detokenizer does."""
+    return lambda bodies: runner_answers(runner, tokenizer, bodies)
 
 
 async def wait_until_healthy(client, timeout=120):

@@ -20,7 +20,8 @@ from serving.managers.router import Router, RouterConfig
 from serving.runtime.topology import TopologyError, load_topology
 
 from .test_http import start_server
-from .test_recovery import RECOVERY, assert_drained, baseline, requests_for, run_all, runner  # noqa: F401
+from .test_recovery import (RECOVERY, assert_drained, baseline, requests_for, run_all, runner,  # noqa: F401
+                            runner_answers)
 from .test_update_weights import model_dirs  # noqa: F401
 
 # -- the router alone ---------------------------------------------------------------------
@@ -427,21 +428,14 @@ async def start_replica(nursery, config, index):
 
 
 def own_answers(path, bodies, tokenizer):
-    """{rid: (text, ids)}: what the runner itself answers greedy ``bodies`` on the weights at ``path``
-    (fp32, the deterministic mode, all in one batch: a row's tokens do not depend on the batch there)."""
+    """{rid: (text, ids)}: what the runner itself answers ``bodies`` on the weights at ``path`` (fp32,
+    the deterministic mode)."""
     import torch
 
     from models.loading import load_model
-    from models.runner import ModelRunner, generate
-    from serving.managers.batching import to_model_sampling
-    from serving.managers.messages import SamplingParams
+    from models.runner import ModelRunner
 
-    runner = ModelRunner(load_model(path), dtype=torch.float32, deterministic=True)
-    sampling = SamplingParams(**bodies[0]["sampling_params"])
-    assert all(body["sampling_params"] == bodies[0]["sampling_params"] for body in bodies) and sampling.temperature == 0
-    answers = generate(runner, [body["input_ids"] for body in bodies], sampling.max_new_tokens,
-                       to_model_sampling(sampling))
-    return {body["rid"]: (tokenizer.decode(ids, skip_special_tokens=True), ids) for body, ids in zip(bodies, answers)}
+    return runner_answers(ModelRunner(load_model(path), dtype=torch.float32, deterministic=True), tokenizer, bodies)
 
 
 def first_differences(got, want):
