@@ -271,5 +271,12 @@ def to_transformers(loaded: LoadedModel, dtype: torch.dtype = torch.float32):
 
 
 def _offline() -> None:
-    """Never reach for the hub: every model here is a local file."""
+    """Never reach for the hub: every model here is a local file. And tokenize on the calling thread.
+
+    A fast tokenizer's ``encode_batch`` (what ``tokenizer(text)`` calls, one text or many) and
+    ``decode_batch`` hand their texts to rayon's pool unless TOKENIZERS_PARALLELISM says not to; for a
+    prompt or a step's few ids that is microseconds of work, and the pool's threads then spin on the
+    cores the model computes on. Where the environment sets it, its value stands.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

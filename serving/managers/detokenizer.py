@@ -79,10 +79,16 @@ class Delta:
 
 def batch_decode(tokenizer: Any, seqs: list[list[int]], skip_special_tokens: bool,
                  spaces_between_special_tokens: bool) -> list[str]:
-    """``tokenizer.batch_decode``, straight through the Rust backend when that is the same."""
+    """``tokenizer.batch_decode``, straight through the Rust backend when that is the same.
+
+    One ``decode`` a window, never the backend's ``decode_batch``: that one hands the windows (a few
+    ids each, ~1 us of work) to rayon's thread pool, whose threads then spin for their next job on
+    the cores the model's threads compute on. On a 2-core EPYC, one request streaming, that cost the
+    detokenizer ~0.8 ms of CPU a token (17 us a call instead of 2.5), taken from the decode step.
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+        return [backend.decode(seq, skip_special_tokens=skip_special_tokens) for seq in seqs]
     return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens,
                                   spaces_between_special_tokens=spaces_between_special_tokens)
 

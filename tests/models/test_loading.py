@@ -143,3 +143,13 @@ def test_models_import_and_run_without_triton():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_loading_a_tokenizer_keeps_tokenization_on_the_calling_thread(monkeypatch):
+    """Rayon's pool spins on the cores the model computes on: off unless the environment says otherwise."""
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    loading.load_tokenizer()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    loading.load_tokenizer()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"

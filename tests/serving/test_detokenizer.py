@@ -10,7 +10,7 @@ import trio
 from actors import ActorChild
 from actors.testing import open_harness
 from models.loading import load_tokenizer
-from serving.managers.detokenizer import DetokenizerManager, IncrementalDecoder, detokenizer_child
+from serving.managers.detokenizer import DetokenizerManager, IncrementalDecoder, batch_decode, detokenizer_child
 from serving.managers.messages import BatchStrOut, BatchTokenIDOut, DecodeInit, FinishReason, StopStringHit
 
 ENGLISH = "The quick brown fox jumps over the lazy dog, then naps in the sun."
@@ -449,3 +449,22 @@ async def test_a_scheduler_restart_sweeps_the_states_its_earlier_incarnation_ope
         out = await tm0.expect(BatchStrOut)
         assert out.rids == ["c.1"] and out.texts == [tok.decode(ids[:4])[len(tok.decode(ids[:3])):]]
         assert managers[-1].states == {} and managers[-1].unknown_rids == 1
+
+
+def test_batch_decode_decodes_each_window_alone(tok):
+    """Never the backend's decode_batch (rayon's pool, whatever TOKENIZERS_PARALLELISM says); the same texts."""
+    backend = tok.backend_tokenizer
+
+    class OneAtATime:
+        def decode(self, ids, skip_special_tokens):
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def decode_batch(self, seqs, skip_special_tokens):
+            raise AssertionError("decode_batch called")
+
+    class Wrapped:
+        backend_tokenizer = OneAtATime()
+        clean_up_tokenization_spaces = False
+
+    seqs = [tok.encode(ENGLISH)[:5], tok.encode(MIXED)[:7], [], tok.encode(ENGLISH)[3:4]]
+    assert batch_decode(Wrapped(), seqs, True, True) == tok.batch_decode(seqs, skip_special_tokens=True)
