@@ -164,3 +164,22 @@ def test_the_machine_is_measured_in_small_sizes_for_a_smoke_run():
     assert machine.bandwidth > 0 and machine.gemm_peak["fp32"] > 0
     assert ("bf16" in machine.gemm_peak) == roofline.has_bf16_units()
     assert "GB/s" in machine.describe()
+
+
+def test_the_fp32_peak_is_the_faster_of_torch_and_tercets_kernel(monkeypatch):
+    """A bound below what the runner reaches is no bound: torch's MKL made 57 GFLOP/s on an EPYC, tercet's 120."""
+    monkeypatch.setattr(roofline, "measure_gemm_peak", lambda dtype, size, repeats: 1e9)
+    monkeypatch.setattr(roofline, "measure_kernel_gemm_peak", lambda size, repeats: 2e9)
+    machine = roofline.measure_machine(smoke=True)
+    assert machine.gemm_peak["fp32"] == 2e9 and machine.gemm_by["fp32"] == "tercet"
+    assert "fp32 2 (tercet)" in machine.describe()
+    monkeypatch.setattr(roofline, "measure_kernel_gemm_peak", lambda size, repeats: None)  # no kernel here
+    machine = roofline.measure_machine(smoke=True)
+    assert machine.gemm_peak["fp32"] == 1e9 and machine.gemm_by["fp32"] == "torch"
+
+
+def test_tercets_kernel_is_timed_on_the_square_product():
+    from models import cpu_kernels
+
+    peak = roofline.measure_kernel_gemm_peak(size=64, repeats=1)
+    assert (peak is not None and peak > 0) == cpu_kernels.packed_linear_available()
