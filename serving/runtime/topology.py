@@ -278,6 +278,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                 raise TopologyError(f"{where}.address: {placement.address} is not a loopback address: "
                                     "secure it with transport.curve, or set transport.allow_insecure: true")
         self._check_replicas()
+        self._check_inproc_reach()
         if self.actors.tokenizer.process != "main":
             raise TopologyError("actors.tokenizer.process: the tokenizer manager runs with the HTTP server (main)")
         if self.server.workers > 1:
@@ -287,6 +288,25 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
                                         "are processes of their own; use ipc:// or tcp://")
             if self.server.workers > 64:
                 raise TopologyError("server.workers: at most 64")
+
+    def _check_inproc_reach(self) -> None:
+        """inproc:// reaches the actors of one process only. Where an actor of a request path (a scheduler, its
+        detokenizer and the tokenizer manager, which send to one another) runs in another process, the ones in
+        main need ipc:// or tcp://: a message to an inproc:// address from a child waits forever (a request
+        then hung until the output watchdog, and hung again when resumed)."""
+        paths = [("actors", self.actors.scheduler, self.actors.detokenizer)]
+        paths += [(f"actors.replicas.{i}", replica.scheduler, replica.detokenizer)
+                  for i, replica in enumerate(self.actors.replicas or [])]
+        for where, scheduler, detokenizer in paths:
+            members = {f"{where}.scheduler": scheduler, f"{where}.detokenizer": detokenizer,
+                       "actors.tokenizer": self.actors.tokenizer}
+            elsewhere = [name for name, placement in members.items() if placement.process != "main"]
+            if not elsewhere:
+                continue
+            for name, placement in members.items():
+                if placement.process == "main" and placement.address.startswith("inproc://"):
+                    raise TopologyError(f"{name}.address: {placement.address} cannot be reached from "
+                                        f"{' and '.join(elsewhere)} in another process; use ipc:// or tcp://")
 
     def _check_replicas(self) -> None:
         n, listed = self.scheduler.replicas, self.actors.replicas

@@ -50,6 +50,13 @@ def write(tmp_path, text):
         ("scheduler:\n  stream_interval: 0\n", r"scheduler.stream_interval: must be in 1..1024"),
         ("scheduler:\n  stream_interval: 5000\n", r"scheduler.stream_interval: must be in 1..1024"),
         ("actors:\n  scheduler: {process: child, address: 'inproc://s'}\n", r"t.yaml:2: actors.scheduler: a child process"),
+        # the default's scheduler (a child) sends to a detokenizer in main that only inproc:// would reach
+        ("actors:\n  scheduler: {process: child, address: 'ipc:///tmp/s'}\n"
+         "  detokenizer: {process: main, address: 'inproc://detokenizer'}\n",
+         r"t.yaml:3: actors.detokenizer.address: inproc://detokenizer cannot be reached from actors.scheduler"),
+        ("actors:\n  scheduler: {process: main, address: 'inproc://s'}\n"
+         "  detokenizer: {process: child, address: 'ipc:///tmp/d'}\n",
+         r"actors.scheduler.address: inproc://s cannot be reached from actors.detokenizer in another process"),
         ("supervision:\n  strategy: one_for_some\n", r"t.yaml:2: supervision.strategy: Invalid enum value"),
         ("supervision:\n  start: sideways\n", r"t.yaml:2: supervision.start: Invalid enum value 'sideways'"),
         ("model:\n  device: gpu\n", r"t.yaml:2: model.device: Expected `str` matching regex"),
@@ -110,7 +117,8 @@ async def test_device_and_context_length_reach_the_scheduler_and_v1_models(nurse
 
 
 def test_a_remote_tcp_address_is_allowed_with_curve_or_when_insecure_is_asked_for(tmp_path):
-    remote = "actors:\n  scheduler: {process: child, address: 'tcp://10.1.2.3:5000'}\n"
+    remote = ("actors:\n  scheduler: {process: child, address: 'tcp://10.1.2.3:5000'}\n"
+              "  detokenizer: {process: child, address: 'ipc:///tmp/d'}\n  tokenizer: {address: 'ipc:///tmp/t'}\n")
     assert load_topology(write(tmp_path, remote + "transport: {allow_insecure: true}\n")).transport.allow_insecure
     curve = load_topology(write(tmp_path, remote + "transport: {curve: {generate: true}}\n"))
     assert curve.hub_options().curve is not None
