@@ -1,0 +1,1 @@
+for p in $(pgrep -f "tercet serve|actors.process"); do for t in /proc/$p/task/*; do s=$(cat $t/stat 2>/dev/null) || continue; r=${s##*) }; set -- $r; c=$(tr ' ' _ < $t/comm); echo "$p $(basename $t) $c $(( ${12} + ${13} ))"; done; done
