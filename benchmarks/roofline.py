@@ -3,11 +3,12 @@
 Two figures of the machine: its read bandwidth (a sum over a large fp32 tensor on the threads
 torch uses) and its GEMM peak (a square matmul, fp32, and bf16 where the CPU has bf16 units; in
 fp32 the faster of torch's and tercet's own kernel, `cpu_kernels.packed_linear`: on an AVX2 EPYC
-torch's MKL made 57 GFLOP/s and tercet's 120, so a bound from torch's alone sat below what the
-runner reached, and a bound must not). Two of the model *as loaded*: the bytes a decoded token reads (what the projections
-store, in whatever layout their class keeps: dense fp32 / bf16, oneDNN's packed layout, tercet's
-panels, GGUF block codes; the LM head; one embedding row; K and V of the context) and the FLOPs
-it costs (2 per weight multiplied, 4 per query dimension and context position for attention).
+torch's MKL made 57 GFLOP/s there while tercet's kernel ran SmolLM2's projections at 101-130, so a
+bound from torch's alone sat below what the runner reached, and a bound must not). Two of the
+model *as loaded*: the bytes a decoded token reads (what the projections store, in whatever layout
+their class keeps: dense fp32 / bf16, oneDNN's packed layout, tercet's panels, GGUF block codes;
+the LM head; one embedding row; K and V of the context) and the FLOPs it costs (2 per weight
+multiplied, 4 per query dimension and context position for attention).
 
 A result at batch B decoded tokens per step then has two bounds:
 
