@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from models import cpu_kernels
+from models.projections import fp32_block_codes
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         weights = [q4_1_weight(n, k, generator) for _ in range(count)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in weights] if dnnl_ok else []
         panels = [cpu_kernels.pack_linear_weight(w) for w in weights] if ours_ok else []
-        codes = [cpu_kernels.pack_block_codes(w) for w in weights] if ours_ok else []
+        codes = [fp32_block_codes(w) for w in weights] if ours_ok else []  # as the model keeps them
         halves = [w.bfloat16() for w in weights] if bf16_ok else []
         onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in halves] if dnnl_ok else []
         panels_bf16 = [cpu_kernels.pack_bf16_weight(w) for w in halves]

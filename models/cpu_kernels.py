@@ -249,6 +249,19 @@ def pack_block_codes(weight, compact: bool = True):
     return torch.ops.tercet.pack_block_codes(weight, compact)
 
 
+def octet_codes_preferred() -> bool:
+    """Whether this build's `block_linear` reads 0..15 codes faster as octets (`octet_codes`): AVX2."""
+    return load() and torch.ops.tercet.octet_codes_preferred()
+
+
+def octet_codes(codes):
+    """`pack_block_codes`' 0..15 nibbles [P, K/2, 16] uint8 -> the same codes as octets [P, K/8, 16]
+    int32, the same bytes: per panel and block g of 32 k, row 4g + j's lane l holds the codes of
+    k = 32g + 4t + j (t = 0..7) in its bits 4t..4t + 3 (csrc/gemm.cpp). Only with fp16 scales, on a
+    build where `octet_codes_preferred`."""
+    return torch.ops.tercet.octet_codes(codes)
+
+
 def block_linear(x, codes, scales, offsets, out_features: int, bias=None):
     """`packed_linear` over weights kept as block codes (any layout of `pack_block_codes`): the same
     bits, 6.4x fewer bytes read for Q4_1."""

@@ -1,6 +1,7 @@
 // The layout of GGUF block codes as pack_block_codes (gemm.cpp, fp32) and pack_bf16_block_codes
 // (gemm_bf16.cpp) make it, checked the same way for both kernels: codes [panels, k or k / 2, 16]
-// (int8 a code, or two 4-bit codes a byte), scales and offsets [panels, k / 32, 16] in fp16 or fp32.
+// (int8 a code, or two 4-bit codes a byte) or, for the fp32 kernel, [panels, k / 8, 16] int32
+// (octet_codes: eight 4-bit codes a lane), scales and offsets [panels, k / 32, 16] in fp16 or fp32.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +17,7 @@ struct Shape {
   int64_t panels;
   int64_t k;  // from the blocks: the codes may be nibbles
   bool nibbles;
+  bool octets;  // int32 lanes of eight 4-bit codes (gemm.cpp's octet_codes)
 };
 
 // The shape of a packed weight; refuses one that `packer` did not make.
@@ -26,11 +28,12 @@ inline Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::
                   offsets.is_contiguous(), "scales and offsets must come from ", packer);
   const int64_t panels = scales.size(0), k = scales.size(1) * kGroup;
   const bool nibbles = codes.dim() == 3 && codes.size(1) * 2 == k;
+  const bool octets = codes.dim() == 3 && codes.size(1) * 8 == k && codes.scalar_type() == at::kInt;
   TORCH_CHECK(codes.dim() == 3 && codes.size(0) == panels && codes.size(2) == kPanel && codes.is_contiguous() &&
                   ((codes.size(1) == k && codes.scalar_type() == at::kChar) ||
-                   (nibbles && (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte))),
+                   (nibbles && (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte)) || octets),
               "codes must come from ", packer);
-  return {panels, k, nibbles};
+  return {panels, k, nibbles, octets};
 }
 
 // P consecutive panels of packed codes from the first on: each one's codes, scales and offsets (a panel's

@@ -1112,7 +1112,8 @@ void codes_linear(const uint32_t* xp, int64_t m, const at::Tensor& codes, const 
 
 at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
-  const auto [panels, k, nibbles] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
+  const auto [panels, k, nibbles, octets] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
+  TORCH_CHECK(!octets, "codes must come from pack_bf16_block_codes (octets are the fp32 kernel's)");
   check_x(x, k / 2);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the codes");
   at::Tensor keep;
@@ -1187,7 +1188,8 @@ at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
 // of the tiles decodes gate's panel and up's panel of the same 16 columns
 at::Tensor bf16_block_linear_silu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                                   const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
-  const auto [panels, k, nibbles] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
+  const auto [panels, k, nibbles, octets] = block_codes::check(codes, scales, offsets, "pack_bf16_block_codes");
+  TORCH_CHECK(!octets, "codes must come from pack_bf16_block_codes (octets are the fp32 kernel's)");
   check_x(x, k / 2);
   check_gate_up(panels, n);
   at::Tensor keep;

@@ -4,7 +4,8 @@ codes two a byte, Q8_0's one a byte, d and m in fp16 where they are exactly fp16
 Every product has the bits of the wide layout (one int8 a code, fp32 d and m: the kernel before
 nibbles) and of tercet's fp32 kernel over the dequantized weights, at one row, two, the direct
 paths' register blocks (up to 8 rows on AVX-512) and the buffer path; a row's bits do not depend on
-the other rows.
+the other rows. On AVX2 builds, 0..15 codes with fp16 d, m go in octets (`octet_codes`: eight
+codes an int32, the same bytes) with the same bits again.
 """
 
 import shutil
@@ -30,6 +31,13 @@ def fp32():
     assert cpu_kernels.load(), "a machine with a C++ compiler must build the kernels (see the log)"
     if not cpu_kernels.packed_linear_available():
         pytest.skip("built without AVX-512 or AVX2 + FMA")
+
+
+def octets_of(codes) -> list | None:
+    """The same codes as octets where this build reads them and they fit (0..15, fp16 d and m), else None."""
+    if codes[0].dtype != torch.uint8 or codes[1].dtype != torch.float16 or not cpu_kernels.octet_codes_preferred():
+        return None
+    return [cpu_kernels.octet_codes(codes[0]), *codes[1:]]
 
 
 def nbytes(codes) -> int:
@@ -67,11 +75,13 @@ def test_compact_codes_give_the_bits_of_the_wide_codes_and_of_the_fp32_kernel(fp
     x, bias = torch.randn(rows, k, generator=g), torch.randn(out_features, generator=g)
     compact, wide = cpu_kernels.pack_block_codes(weight), cpu_kernels.pack_block_codes(weight, compact=False)
     assert compact[0].dtype == LAYOUT[kind][0]
-    panels = cpu_kernels.pack_linear_weight(weight)
+    panels, octets = cpu_kernels.pack_linear_weight(weight), octets_of(compact)
     for b in (None, bias):
         ours = cpu_kernels.block_linear(x, *compact, out_features, b)
         assert torch.equal(ours, cpu_kernels.block_linear(x, *wide, out_features, b))
         assert torch.equal(ours, cpu_kernels.packed_linear(x, panels, out_features, b))
+        if octets is not None:
+            assert torch.equal(ours, cpu_kernels.block_linear(x, *octets, out_features, b))
     assert not torch.equal(halves_summed(x, weight), cpu_kernels.block_linear(x, *compact, out_features))
 
 
@@ -81,6 +91,9 @@ def test_compact_codes_give_a_row_the_same_bits_alone_or_in_any_batch(fp32, kind
     x = torch.randn(500, 576, generator=torch.Generator().manual_seed(2))
     codes = cpu_kernels.pack_block_codes(weight)
     whole = cpu_kernels.block_linear(x, *codes, 200)
+    if octets_of(codes) is not None:
+        assert torch.equal(cpu_kernels.block_linear(x, *octets_of(codes), 200), whole)
+        codes = octets_of(codes)  # a row alone or in any batch, from the octets too
     for start, stop in [(0, 1), (5, 6), (8, 10), (7, 15), (7, 20), (96, 131), (383, 390), (100, 500), (499, 500)]:
         assert torch.equal(cpu_kernels.block_linear(x[start:stop], *codes, 200), whole[start:stop])
     alone = torch.cat([cpu_kernels.block_linear(x[r : r + 1], *codes, 200) for r in range(0, 500, 37)])
@@ -125,11 +138,36 @@ def test_linear_keeps_a_q4_1_weight_in_nibbles_with_the_products_of_the_panels(f
     weight, bias = quantized(40, 96, "q4_1"), torch.randn(40, generator=torch.Generator().manual_seed(1))
     x = torch.randn(33, 96, generator=torch.Generator().manual_seed(2))
     coded, panels = Linear(weight, bias, kernel=True, codes=True), Linear(weight, bias, kernel=True)
-    assert isinstance(coded, BlockCodeLinear) and coded.codes[0].dtype == torch.uint8
+    octets = cpu_kernels.octet_codes_preferred()  # (AVX2: octets, the same bytes; else nibbles)
+    assert isinstance(coded, BlockCodeLinear) and coded.codes[0].dtype == (torch.int32 if octets else torch.uint8)
+    assert nbytes(coded.codes) == nbytes(cpu_kernels.pack_block_codes(weight))  # the nibbles' bytes
     assert coded.shape == (40, 96) and torch.equal(coded.dense(), weight)
     for rows in (1, 2, 4, 33):
         assert torch.equal(coded(x[:rows]), panels(x[:rows]))
         assert torch.equal(coded(x[:rows], tile=16), panels(x[:rows]))
+
+
+def test_octets_hold_the_nibbles_codes_and_are_refused_where_they_do_not_fit(fp32):
+    """`octet_codes`: k = 32g + 4t + j in bits 4t of row 4g + j, the same bytes as the nibbles."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(0, 16, (2, 64, 16), generator=g)
+    nibbles = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).to(torch.uint8)
+    octets = cpu_kernels.octet_codes(nibbles)
+    assert octets.dtype == torch.int32 and octets.shape == (2, 8, 16)
+    want = sum(q.view(2, 2, 8, 4, 16)[:, :, t].long() << (4 * t) for t in range(8))  # [P, g, j, 16]
+    assert torch.equal(octets.view(2, 2, 4, 16).long() & 0xFFFFFFFF, want)
+    with pytest.raises(RuntimeError, match="0..15 nibbles"):
+        cpu_kernels.octet_codes(nibbles.view(torch.int8))  # signed codes stay nibbles
+    with pytest.raises(RuntimeError, match="0..15 nibbles"):
+        cpu_kernels.octet_codes(nibbles[:, :8].contiguous())  # not whole blocks of 32
+    codes, scales, offsets = cpu_kernels.pack_block_codes(quantized(40, 64, "q4_1"))
+    octets, x = cpu_kernels.octet_codes(codes), torch.zeros(2, 64)
+    if cpu_kernels.octet_codes_preferred():
+        with pytest.raises(RuntimeError, match="fp16 scales"):
+            cpu_kernels.block_linear(x, octets, scales.float(), offsets.float(), 40)
+    else:
+        with pytest.raises(RuntimeError, match="AVX2 build"):
+            cpu_kernels.block_linear(x, octets, scales, offsets, 40)
 
 
 def test_block_linear_refuses_layouts_that_do_not_fit(fp32):
@@ -162,10 +200,16 @@ def test_fp16_scales_at_their_extremes_rebuild_the_bits_of_fp32_scales(fp32, sig
     compact = [nibbles.view(torch.int8) if signed else nibbles, d, m]
     wide = [q.to(torch.int8), d.float(), m.float()]
     assert torch.equal(BlockCodeLinear(compact, 32).dense(), BlockCodeLinear(wide, 32).dense())
+    octets = octets_of(compact)
+    if octets is not None:  # d * 16^-t, from fp16's subnormals up, rebuilds the same weights
+        assert torch.equal(BlockCodeLinear(octets, 32).dense(), BlockCodeLinear(wide, 32).dense())
     x = torch.randn(400, 128, generator=g) * 1e-3
     for rows in ROWS:
         for n in (32, 20):
-            assert torch.equal(cpu_kernels.block_linear(x[:rows], *compact, n), cpu_kernels.block_linear(x[:rows], *wide, n))
+            want = cpu_kernels.block_linear(x[:rows], *wide, n)
+            assert torch.equal(cpu_kernels.block_linear(x[:rows], *compact, n), want)
+            if octets is not None:
+                assert torch.equal(cpu_kernels.block_linear(x[:rows], *octets, n), want)
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
@@ -189,9 +233,10 @@ def test_a_model_quantized_to_4_bits_runs_on_nibbles_with_the_logits_of_its_fp32
     monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
     runner = ModelRunner(loaded, dtype=torch.float32)
     dtypes = [lin.codes[0].dtype for lin in runner.model.projections()]
-    assert dtypes == [LAYOUT[kind][0]] * (len(dtypes) - 1) + [torch.int8]  # the layers' nibbles, the head's bytes
-    assert [lin.codes[0].shape[1] * 2 == lin.shape[1] for lin in runner.model.projections()] == [True] * (
-        len(dtypes) - 1) + [False]
+    layer = torch.int32 if kind == "q4_1" and cpu_kernels.octet_codes_preferred() else LAYOUT[kind][0]
+    assert dtypes == [layer] * (len(dtypes) - 1) + [torch.int8]  # the layers' nibbles (or octets), the head's bytes
+    assert [nbytes(lin.codes[:1]) * 2 == len(lin.codes[0]) * 16 * lin.shape[1]  # 4 bits a code
+            for lin in runner.model.projections()] == [True] * (len(dtypes) - 1) + [False]
     reference = ModelRunner(loaded, dtype=torch.float32)
     reference.model = CausalLM(loaded.config, loaded.state_dict, torch.float32, torch.device("cpu"), kernel=True,
                                codes=False, invariant=reference.deterministic, fused=reference.cpu_kernel)
