@@ -27,7 +27,7 @@
 //     one; else one int8 a code (Q8_0, or a weight of both kinds);
 //   - d and m: fp16 where every one of the weight is exactly an fp16 (a GGUF's always are), else fp32.
 // On AVX2, 0..15 nibbles with fp16 d, m may go in octets instead (octet_codes, below: the same bytes,
-// int32 [ceil(N/16), K/8, 16]), which the one- and two-row products read with fewer instructions.
+// int32 [ceil(N/16), K/8, 16]), which products of up to four rows read with fewer instructions.
 // So a Q4_1 weight takes 0.625 bytes instead of 4, as in the GGUF file (Q8_0: 1.125, m kept); with
 // compact=false, one int8 a code and fp32 d, m (1.25 bytes a weight, the layout before nibbles).
 // Every layout rebuilds the same fp32 weights. The kernel rebuilds each panel in fp32 (the same
@@ -82,6 +82,10 @@ constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_
 // a block's rows: 1.1-2.4x the fp32 kernel at 3-8 rows for qkv and gate_up, where the buffer path
 // made 0.66-1.3x: bench_gemm)
 constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
+// octets go straight from the codes up to 4 rows: against their buffer path (rebuild into a buffer, then the
+// fp32 blocks) SmolLM2's projections at 3 rows 1.45-1.62x, at 4 1.18-1.28x, at 5-6 0.64-0.76x (Zen 3 EPYC, 2
+// threads). Decode steps of one request with its drafts are 2-5 rows.
+constexpr int64_t kOctetDirectRows = 4;
 #if TERCET_GEMM
 constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
 // Panels per call of the direct code paths, by rows: AVX2 4 accumulator chains for one row (two panels,
@@ -186,6 +190,7 @@ bool exact_block(const float* v, bool signed_first, int8_t* q, float* d_out, flo
 // How a weight's codes are kept: one int8 a code, or two a byte (k = 2i low, 2i + 1 high):
 // 0..15 (uint8) or -8..7 (int8, two's complement nibbles); or 0..15 as octets (octet_codes)
 enum class Codes { kBytes, kNibbles, kSignedNibbles, kOctets };
+constexpr int64_t direct_rows(Codes c) { return c == Codes::kOctets ? kOctetDirectRows : kDirectRows; }
 constexpr int64_t per_byte(Codes c) { return c == Codes::kBytes ? 1 : 2; }
 
 // Octets: per panel and block g of 32 k, four rows j = 0..3 of 16 int32 lanes, lane l of row j holding
@@ -626,19 +631,19 @@ constexpr DirectFn<C, S> direct_of() {
   }
 }
 template <Codes C, typename S, int... R>
-constexpr std::array<DirectFn<C, S>, kDirectRows> directs_of(std::integer_sequence<int, R...>) {
+constexpr std::array<DirectFn<C, S>, direct_rows(C)> directs_of(std::integer_sequence<int, R...>) {
   return {direct_of<R + 1, direct_panels(R + 1), C, S>()...};
 }
 // kDirect<C, S>[rows - 1]
 template <Codes C, typename S>
-constexpr auto kDirect = directs_of<C, S>(std::make_integer_sequence<int, kDirectRows>());
+constexpr auto kDirect = directs_of<C, S>(std::make_integer_sequence<int, direct_rows(C)>());
 // Half as wide (at least a panel), for the panels left after a thread's whole calls
 template <Codes C, typename S, int... R>
-constexpr std::array<DirectFn<C, S>, kDirectRows> narrow_directs_of(std::integer_sequence<int, R...>) {
+constexpr std::array<DirectFn<C, S>, direct_rows(C)> narrow_directs_of(std::integer_sequence<int, R...>) {
   return {direct_of<R + 1, std::max(1, direct_panels(R + 1) / 2), C, S>()...};
 }
 template <Codes C, typename S>
-constexpr auto kDirectNarrow = narrow_directs_of<C, S>(std::make_integer_sequence<int, kDirectRows>());
+constexpr auto kDirectNarrow = narrow_directs_of<C, S>(std::make_integer_sequence<int, direct_rows(C)>());
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -736,7 +741,7 @@ template <Codes C, typename S>
 at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const S* mo, int64_t panels, int64_t k,
                         int64_t n, const float* b) {
   const int64_t sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's, each
-  if (x.size(0) >= 1 && x.size(0) <= kDirectRows) {  // straight from the codes
+  if (x.size(0) >= 1 && x.size(0) <= direct_rows(C)) {  // straight from the codes
     const int64_t m = x.size(0);
     const int64_t width = direct_panels(static_cast<int>(m));
     const auto rows_in = m == 1 ? x.contiguous() : block_rows_of(x);  // (one row is read in place: see direct)
