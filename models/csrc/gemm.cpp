@@ -393,8 +393,7 @@ inline vec::vf rebuild(vec::vf q, vec::vf d, vec::vf m) {
 
 #if TERCET_GEMM && !defined(__AVX512F__)
 // Octets (above): code t of row j's 8 lanes as float(q * 16^t), `mask` 15 << 4t (t < 7; t a
-// constant once the loops over it are unrolled). The mask is stepped in a register, not taken as
-// eight constants: GCC kept those on the stack and spilled an accumulator (no faster than nibbles).
+// constant once the loops over it are unrolled)
 inline vec::vf octet_code(const int32_t* row, int t, __m256i mask) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
   return _mm256_cvtepi32_ps(t == 7 ? _mm256_srli_epi32(raw, 28) : _mm256_and_si256(raw, mask));
@@ -511,8 +510,9 @@ void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, 
 }
 
 // direct over octets (S = c10::Half): k in the same order, each block's 32 k as 8 codes t of its four
-// rows j (k = 32g + 4t + j), the scale stepped to d * 16^-t between codes. (Written as the loop that
-// measured ~15 % faster than nibbles alone; GCC's register allocation of other forms spilled.)
+// rows j (k = 32g + 4t + j), the scale stepped to d * 16^-t between codes. One row keeps plain arrays
+// and a scalar broadcast: with the R-row form's c[R][V] and a[R] (even flattened) GCC spilled an
+// accumulator at one row, and octets measured no faster than nibbles.
 template <int R, int P>
 void direct_octets([[maybe_unused]] const float* x, [[maybe_unused]] int64_t ldx,
                    [[maybe_unused]] const uint8_t* codes, [[maybe_unused]] const c10::Half* scales,
