@@ -9,14 +9,14 @@
 # dtype auto; the embedded Q4_1 GGUF kept as its codes); the peers through ../shared/peers/serve.sh (llama-server
 # on the same GGUF, 2 threads, 64 slots; vLLM 0.32 fp32 on the GGUF converted to safetensors). Steal is read from
 # /proc/stat around every run. Writes serving-{tercet,llama,vllm}-c{C}-r{R}.json, runs.txt, lscpu.txt,
-# commit.txt, commands.txt here.
+# commit.txt, commands.txt here (OUT: elsewhere; SERVERS: another list, e.g. "tercet llama").
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../../.."
 ROUNDS=${1:-2}; shift || true
 CONC=("${@:-1 8 32 64}"); CONC=(${CONC[*]})
 PEERS=${PEERS:-/work/shared/peers}
-OUT=$HERE
+OUT=${OUT:-$HERE}
 lscpu > "$OUT/lscpu.txt"
 { git rev-parse HEAD; git status --short --untracked-files=no; } > "$OUT/commit.txt"
 { echo "tercet: .venv/bin/tercet serve --host 127.0.0.1 --port 30200 --log-level warning"
@@ -36,7 +36,7 @@ start() {
 }
 stop() { kill -- -"$(cat /tmp/epyc-pid)" 2>/dev/null || true; sleep 3; }
 for round in $(seq "$ROUNDS"); do
-  order=(tercet llama vllm); [ $((round % 2)) = 0 ] && order=(vllm llama tercet)
+  order=(${SERVERS:-tercet llama vllm}); [ $((round % 2)) = 0 ] && order=($(printf "%s\n" "${order[@]}" | tac))
   for server in "${order[@]}"; do
     start "$server"
     for c in "${CONC[@]}"; do

@@ -1,53 +1,7 @@
 #!/usr/bin/env bash
-# tercet and llama-server (SERVERS: also vllm) on an AVX2 EPYC, one server at a time (nothing else up), the
-# servers' order reversed each round (tercet llama-server vllm, then vllm llama-server tercet).
+# tercet and llama-server on the AVX2 EPYC, one server at a time, the order reversed each round:
+# ../2026-12-06-epyc/campaign.sh with SERVERS="tercet llama" (vLLM is 4x behind at one request) and OUT here.
 #
-#   benchmarks/results/2026-12-06-octets/campaign.sh ROUNDS [CONCURRENCY...]   (default 1 8 32 64)
-# (../2026-12-06-epyc/campaign.sh with the servers in SERVERS, default "tercet llama", the order reversed each round)
-#
-# Each run is bench_serving.py: streaming /v1/completions, 128 random prompt tokens, 64 out with EOS ignored,
-# 32 prompts (64 at 64), seed = concurrency + 1000 x round. tercet: `tercet serve` with its defaults (fp32 here:
-# dtype auto; the embedded Q4_1 GGUF kept as its codes); the peers through ../shared/peers/serve.sh (llama-server
-# on the same GGUF, 2 threads, 64 slots; vLLM 0.32 fp32 on the GGUF converted to safetensors). Steal is read from
-# /proc/stat around every run. Writes serving-{tercet,llama,vllm}-c{C}-r{R}.json, runs.txt, lscpu.txt,
-# commit.txt, commands.txt here.
-set -euo pipefail
+#   benchmarks/results/2026-12-06-octets/campaign.sh ROUNDS [CONCURRENCY...]   (this folder: 2 1 8)
 HERE=$(cd "$(dirname "$0")" && pwd)
-cd "$HERE/../../.."
-ROUNDS=${1:-2}; shift || true
-CONC=("${@:-1 8 32 64}"); CONC=(${CONC[*]})
-PEERS=${PEERS:-/work/shared/peers}
-OUT=$HERE
-lscpu > "$OUT/lscpu.txt"
-{ git rev-parse HEAD; git status --short --untracked-files=no; } > "$OUT/commit.txt"
-{ echo "tercet: .venv/bin/tercet serve --host 127.0.0.1 --port 30200 --log-level warning"
-  echo "llama-server: $PEERS/serve.sh llama-server 30201 ($(sed -n '/llama-server)/,/;;/p' "$PEERS/serve.sh" | tr -s ' ' | tr '\n' ' '))"
-  echo "vllm: $PEERS/serve.sh vllm 30203 ($(sed -n '/  vllm)/,/;;/p' "$PEERS/serve.sh" | tr -s ' ' | tr '\n' ' '))"; } > "$OUT/commands.txt"
-steal() { awk '/^cpu /{print $9}' /proc/stat; }
-port_of() { case $1 in tercet) echo 30200;; llama) echo 30201;; vllm) echo 30203;; esac; }
-start() {
-  case $1 in
-    tercet) setsid .venv/bin/tercet serve --host 127.0.0.1 --port 30200 --log-level warning > /tmp/octets-tercet.log 2>&1 &
-            echo $! > /tmp/octets-pid
-            for _ in $(seq 600); do curl -sf http://127.0.0.1:30200/health >/dev/null && break; sleep 0.5; done ;;
-    llama) "$PEERS/serve.sh" llama-server 30201 > /tmp/octets-pid ;;
-    vllm) "$PEERS/serve.sh" vllm 30203 > /tmp/octets-pid ;;
-  esac
-  sleep 10  # (what a start leaves running: caches written, tokenizers warmed)
-}
-stop() { kill -- -"$(cat /tmp/octets-pid)" 2>/dev/null || true; sleep 3; }
-for round in $(seq "$ROUNDS"); do
-  order=(${SERVERS:-tercet llama}); [ $((round % 2)) = 0 ] && order=($(printf "%s\n" "${order[@]}" | tac))
-  for server in "${order[@]}"; do
-    start "$server"
-    for c in "${CONC[@]}"; do
-      n=32; [ "$c" -ge 64 ] && n=64
-      s0=$(steal)
-      line=$(.venv/bin/python benchmarks/bench_serving.py --base-url "http://127.0.0.1:$(port_of "$server")" \
-        --input-len 128 --output-len 64 --num-prompts "$n" --max-concurrency "$c" --seed $((c + 1000 * round)) \
-        --no-roofline --json "$OUT/serving-$server-c$c-r$round.json" | tail -n 1)
-      echo "r$round $server c$c steal +$(( $(steal) - s0 )) ticks | $line" | tee -a "$OUT/runs.txt"
-    done
-    stop
-  done
-done
+SERVERS=${SERVERS:-tercet llama} OUT=$HERE exec "$HERE/../2026-12-06-epyc/campaign.sh" "$@"
