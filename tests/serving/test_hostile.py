@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 from contextlib import aclosing
-from functools import partial
 
 import httpx
 import numpy as np
@@ -356,11 +355,17 @@ async def test_past_the_scheduler_bounds_requests_are_refused_before_any_work(nu
     long = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         for _ in range(5):  # (a holder that finished before the probe on a fast host: again, new holders)
+            ended = []  # holders answered before the probe (refused: the last round's still counted)
+
+            async def hold():
+                ended.append(await client.post("/generate", json=long))
+
             async with trio.open_nursery() as inner:
                 for _ in range(3):
-                    inner.start_soon(partial(client.post, "/generate", json=long))
-                while len(tm.rid_to_state) < 3:
-                    await trio.sleep(0.005)
+                    inner.start_soon(hold)
+                with trio.fail_after(60):  # (a holder answered at once never shows up: no endless wait for it)
+                    while len(tm.rid_to_state) < 3 and not ended:
+                        await trio.sleep(0.005)
                 r = await client.post("/generate", content=b"not even JSON")  # refused before it is parsed
                 held = len(tm.rid_to_state) >= 3
                 healthy = (await client.get("/health")).status_code == 200
