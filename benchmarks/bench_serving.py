@@ -14,11 +14,15 @@ exactly ``--output-len`` tokens on servers that honour those fields.
 Definitions (per successful request; failures are counted, never timed):
 
 - TTFT: request sent -> first chunk that carries a token.
-- ITL: one entry per token after the first. Tokens per chunk come from
-  ``usage.completion_tokens`` deltas when chunks carry usage (vLLM's
-  ``continuous_usage_stats``), else one per chunk with text. A chunk of n
-  tokens gives one gap (since the previous chunk) and n - 1 zeros: the
-  tokens reached the client together.
+- ITL: SGLang's bench_serving definition. Each chunk after the first gives n
+  entries of gap / n, its gap since the previous chunk shared by the n tokens
+  it carries (the first chunk's tokens have TTFT, no entries). Tokens per
+  chunk come from ``usage.completion_tokens`` deltas when chunks carry usage
+  (vLLM's ``continuous_usage_stats``), else one per chunk with text. A server
+  that sends one token a chunk gets its gaps; one that verifies drafts (several
+  tokens a chunk) gets its time per token, comparable with the first.
+- Chunk gap: the raw gaps between chunks after the first, one per chunk (what
+  a reader of the stream waits; equal to ITL where every chunk has one token).
 - E2E: request sent -> last token.
 - TPOT: (e2e - ttft) / (output_tokens - 1).
 - Output tokens: the final ``usage.completion_tokens`` when the server sends
@@ -99,6 +103,7 @@ class Result:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    chunk_gaps: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
@@ -352,8 +357,8 @@ async def send_one(client: RawHTTP, path: str, body: dict, input_len: int,
                         if counted == 0:
                             result.ttft = now - start
                         else:
-                            result.itl.append(now - last)
-                        result.itl.extend([0.0] * (n - 1))
+                            result.chunk_gaps.append(now - last)
+                            result.itl.extend([(now - last) / n] * n)
                         counted += n
                         last = now
     except (OSError, trio.BrokenResourceError, trio.TooSlowError, HTTPProtocolError,
@@ -467,6 +472,8 @@ def summarize(results: list[Result], wall: float, cpu: float, concurrency, rate)
         "tpot_ms": stats_ms([(r.e2e - r.ttft) / (r.output_tokens - 1)
                              for r in ok if r.output_tokens > 1]),
         "itl_ms": stats_ms([gap for r in ok for gap in r.itl]),
+        "chunk_gap_ms": stats_ms([gap for r in ok for gap in r.chunk_gaps]),
+        "tokens_per_chunk": sum(len(r.itl) for r in ok) / max(1, sum(len(r.chunk_gaps) for r in ok)),
         "e2e_ms": stats_ms([r.e2e for r in ok]),
     }
 
@@ -556,6 +563,10 @@ def print_table(report: dict) -> None:
         if bounds:
             line += roofline.bound_cells(run["bounds"])
         print(line)
+        if run.get("tokens_per_chunk", 1) > 1.005:  # drafts verified: the stream's own cadence too
+            gaps = run["chunk_gap_ms"]
+            print(f"      {num(run['tokens_per_chunk'], 4, 2)} tokens a chunk after the first; chunk gap ms "
+                  f"mean/p50/p99 {num(gaps['mean'], 0, 2)} / {num(gaps['p50'], 0, 2)} / {num(gaps['p99'], 0, 2)}")
         if report["args"].get("system_prompts"):
             print(f"      prefix cache hit rate: {num(run['cache_hit_rate'], 5, 3)} "
                   f"({report['args']['system_prompts']} system prompts of {report['args']['system_len']} tokens)")

@@ -94,10 +94,13 @@ async def test_several_tokens_per_chunk(nursery):
                             "--output-len", "16", "--max-concurrency", "2")
     assert run["failed"] == 0
     assert run["total_output_tokens"] == 16 * 12
-    # 3 of every 4 gaps are zero (tokens that came together): the median gap is 0,
-    # and the mean gap equals TPOT.
-    assert run["itl_ms"]["p50"] == 0
-    assert run["itl_ms"]["mean"] == pytest.approx(run["tpot_ms"]["mean"], rel=1e-6)
+    # SGLang's ITL: a chunk's gap shared by its 4 tokens (the first chunk's have TTFT), so
+    # ITL is a quarter of the chunk gap, and they sum to the same time as TPOT's 15 gaps.
+    assert run["tokens_per_chunk"] == 4
+    assert run["itl_ms"]["p50"] == pytest.approx(run["chunk_gap_ms"]["p50"] / 4, rel=1e-6)
+    assert run["itl_ms"]["mean"] == pytest.approx(run["chunk_gap_ms"]["mean"] / 4, rel=1e-6)
+    assert run["itl_ms"]["mean"] * 12 == pytest.approx(run["tpot_ms"]["mean"] * 15, rel=1e-6)
+    assert run["chunk_gap_ms"]["p50"] >= 0.004 * 4 * 1e3 * 0.9  # the stub waits token_s a token
 
 
 async def test_poisson_rate_spreads_arrivals(nursery):
