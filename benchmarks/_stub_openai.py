@@ -34,6 +34,9 @@ class StubConfig:
     token_s: float = 0.001  # between tokens
     tokens_per_chunk: int = 1  # > 1: chunks carry several tokens and usage
     fail_every: int = 0  # 0: never fail
+    # llama-server's form: a token a chunk without usage, then an empty chunk with the finish_reason
+    # and the whole usage (whatever stream_options asks)
+    usage_in_last_chunk: bool = False
 
 
 def build_app(config: StubConfig) -> Starlette:
@@ -60,6 +63,7 @@ def build_app(config: StubConfig) -> Starlette:
             prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         max_tokens = int(body.get("max_tokens") or 16)
         usage_on = bool((body.get("stream_options") or {}).get("include_usage"))
+        continuous = usage_on and bool(body["stream_options"].get("continuous_usage_stats"))
         rid = f"stub-{n}"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -70,7 +74,7 @@ def build_app(config: StubConfig) -> Starlette:
                 choice = {"index": 0, "text": text, "finish_reason": finish}
             event = {"id": rid, "object": obj, "created": int(time.time()), "model": MODEL,
                      "choices": [choice]}
-            if config.tokens_per_chunk > 1:  # like vLLM's continuous_usage_stats
+            if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
                 event["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done}
             return b"data: " + encode(event) + b"\n\n"
 
@@ -83,16 +87,21 @@ def build_app(config: StubConfig) -> Starlette:
             while done < max_tokens:
                 step = min(config.tokens_per_chunk, max_tokens - done)
                 done += step
-                finish = "length" if done == max_tokens else None
+                finish = "length" if done == max_tokens and not config.usage_in_last_chunk else None
                 yield chunk(" tok" * step, done, finish)
                 if failure == "event-later" and done >= min(3, max_tokens - 1):
                     yield b'data: {"error": {"message": "stub failure", "code": 500}}\n\n'
                     return
                 if done < max_tokens:
                     await trio.sleep(config.token_s * step)
-            if usage_on:
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                         "total_tokens": prompt_tokens + done}
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+            if config.usage_in_last_chunk:
+                choice = {"index": 0, "text": "", "finish_reason": "length"}
+                if chat:
+                    choice = {"index": 0, "delta": {"content": ""}, "finish_reason": "length"}
+                yield b"data: " + encode({"id": rid, "object": obj, "model": MODEL, "choices": [choice],
+                                          "usage": usage}) + b"\n\n"
+            elif usage_on:
                 yield b"data: " + encode({"id": rid, "object": obj, "model": MODEL,
                                           "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"

@@ -18,7 +18,8 @@ Definitions (per successful request; failures are counted, never timed):
   entries of gap / n, its gap since the previous chunk shared by the n tokens
   it carries (the first chunk's tokens have TTFT, no entries). Tokens per
   chunk come from ``usage.completion_tokens`` deltas when chunks carry usage
-  (vLLM's ``continuous_usage_stats``), else one per chunk with text. A server
+  (asked for: ``stream_options.continuous_usage_stats``, vLLM's and tercet's),
+  else one per chunk with text. A server
   that sends one token a chunk gets its gaps; one that verifies drafts (several
   tokens a chunk) gets its time per token, comparable with the first.
 - Chunk gap: the raw gaps between chunks after the first, one per chunk (what
@@ -273,14 +274,15 @@ class RawHTTP:
 # ---- one request ------------------------------------------------------------
 
 def request_body(args, model: str, prompt, constrained: bool = False) -> dict:
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+    # continuous_usage_stats (vLLM's, tercet's): usage in every chunk, so ITL knows each chunk's tokens
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "max_tokens": args.output_len, "min_tokens": args.output_len,
             "ignore_eos": True, "temperature": 0.0}
     if args.eos_bias is not None:  # a server without ignore_eos / min_tokens (transformers serve)
-        del body["min_tokens"], body["ignore_eos"]
+        del body["min_tokens"], body["ignore_eos"], body["stream_options"]["continuous_usage_stats"]
         body["logit_bias"] = {str(args.eos_bias): -100}
     elif args.plain_openai:  # OpenAI's fields only (llama.cpp): EOS may end a request early
-        del body["min_tokens"], body["ignore_eos"]
+        del body["min_tokens"], body["ignore_eos"], body["stream_options"]["continuous_usage_stats"]
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -346,10 +348,12 @@ async def send_one(client: RawHTTP, path: str, body: dict, input_len: int,
                                 result.cached_tokens = cached
                         choices = message.get("choices") or []
                         if "completion_tokens" in usage:
-                            n = usage["completion_tokens"] - (usage_done or 0)
+                            # the tokens not yet counted (llama-server's last chunk has the usage of
+                            # tokens its earlier chunks brought one a chunk: none new)
                             usage_done = usage["completion_tokens"]
                             if not choices:
                                 continue  # the final usage-only chunk
+                            n = usage_done - counted
                         else:
                             n = 1 if choices and chunk_text(choices[0]) else 0
                         if n <= 0:

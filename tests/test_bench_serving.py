@@ -103,6 +103,16 @@ async def test_several_tokens_per_chunk(nursery):
     assert run["chunk_gap_ms"]["p50"] >= 0.004 * 4 * 1e3 * 0.9  # the stub waits token_s a token
 
 
+async def test_usage_in_the_last_token_chunk_adds_no_tokens(nursery):
+    # llama-server: a token a chunk, then an empty chunk with finish_reason and the whole usage. Those
+    # tokens were counted as they came: the last chunk adds none (it once counted them all again, as
+    # one gap and 7 zeros, and ITL p50 read 0).
+    run = await run_against(nursery, StubConfig(usage_in_last_chunk=True, token_s=0.004), "--max-concurrency", "2")
+    assert run["failed"] == 0 and run["total_output_tokens"] == 8 * 12
+    assert run["tokens_per_chunk"] == 1
+    assert run["itl_ms"]["p50"] == run["chunk_gap_ms"]["p50"] >= 0.004 * 1e3 * 0.9
+
+
 async def test_poisson_rate_spreads_arrivals(nursery):
     run = await run_against(nursery, StubConfig(), "--request-rate", "200", "--seed", "3")
     assert run["failed"] == 0 and run["request_rate"] == 200.0

@@ -290,9 +290,10 @@ async def _openai(request: Request, state: ServerState, kind: str, shape: type,
     prompts = 1
     if kind == "completion" and not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))):
         prompts = len(req.prompt)
-    responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n,
-                          tools=obj.tools is not None, strings=state.token_strings, reasoning=reasoning)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    responder = Responder(kind, state.model_name, state.runtime.tokenizer, prompts * req.n, req.n,
+                          tools=obj.tools is not None, strings=state.token_strings, reasoning=reasoning,
+                          continuous_usage=include_usage and req.stream_options.continuous_usage_stats)
     return await run_request(
         request, state, obj, responder.whole, responder.stream_chunk,
         tail=lambda: [responder.usage_chunk()] if include_usage else [], names=OPENAI_NAMES,

@@ -55,7 +55,7 @@ __all__ = [
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: accepted, usage comes at the end
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # OpenAI parameters this server does not implement: refused with a 400 naming them,
@@ -392,8 +392,12 @@ class Responder:
     """Builds one request's responses (whole or streamed) in the OpenAI shapes."""
 
     def __init__(self, kind: str, model: str, tokenizer: Any, num_choices: int, n: int = 1,
-                 tools: bool = False, strings: TokenStrings | None = None, reasoning: str | None = None) -> None:
+                 tools: bool = False, strings: TokenStrings | None = None, reasoning: str | None = None,
+                 continuous_usage: bool = False) -> None:
         self.kind = kind  # "completion" | "chat"
+        # vLLM's stream_options.continuous_usage_stats: each chunk has its choice's usage so far, as
+        # vLLM gives it (its prompt, the tokens that choice generated, this chunk's included)
+        self.continuous_usage = continuous_usage
         self.tools = tools  # the answer may hold tool calls (Hermes format): parse them out
         self.reasoning = reasoning  # the reasoning parser: the think block goes to reasoning_content
         split = tools or reasoning is not None
@@ -474,7 +478,11 @@ class Responder:
         else:
             choice["text"] = chunk.text
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.continuous_usage:
+            i = chunk.index
+            out["usage"] = usage(self.prompt_tokens[i], self.completion_tokens[i], self.cached_tokens[i])
+        return out
 
     def ends(self, chunk: Chunk) -> bool:
         """Whether ``chunk`` completes its choice's answer before its generation ends (a repeated

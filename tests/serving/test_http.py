@@ -204,6 +204,21 @@ async def test_openai_stop_n_and_usage(server):
     choices, usage = openai_stream(r.text)
     assert ["".join(c["text"] for c in choices[i]) for i in range(4)] == [c["text"] for c in whole["choices"]]
     assert usage == whole["usage"]
+    assert all("usage" not in event for event in sse_events(r.text) if event["choices"])
+
+    # vLLM's continuous_usage_stats: every chunk has its choice's usage so far, the chunk's own tokens
+    # counted (what a load generator reads tokens per chunk from); the last, the request's
+    r = await server.post("/v1/completions", json={**batch, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(r.text)
+    assert events[-1]["usage"] == whole["usage"] and not events[-1]["choices"]
+    for index in range(4):
+        mine = [event for event in events[:-1] if event["choices"][0]["index"] == index]
+        counts = [event["usage"]["completion_tokens"] for event in mine]
+        assert all(event["usage"]["prompt_tokens"] == alone[index // 2]["prompt_tokens"] for event in mine)
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 3
+        assert all(count > before for before, count, event in zip(counts, counts[1:], mine[1:])
+                   if event["choices"][0]["text"])  # text comes with its tokens
 
 
 async def test_admin_routes(server):

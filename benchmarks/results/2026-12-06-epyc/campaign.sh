@@ -44,7 +44,7 @@ for round in $(seq "$ROUNDS"); do
       s0=$(steal)
       line=$(.venv/bin/python benchmarks/bench_serving.py --base-url "http://127.0.0.1:$(port_of "$server")" \
         --input-len 128 --output-len 64 --num-prompts "$n" --max-concurrency "$c" --seed $((c + 1000 * round)) \
-        --no-roofline --json "$OUT/serving-$server-c$c-r$round.json" | tail -n 1)
+        --no-roofline --json "$OUT/serving-$server-c$c-r$round.json" | grep -E "^ +$c |tokens a chunk" | paste -sd' ')
       echo "r$round $server c$c steal +$(( $(steal) - s0 )) ticks | $line" | tee -a "$OUT/runs.txt"
     done
     stop
