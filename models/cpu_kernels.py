@@ -254,12 +254,14 @@ def octet_codes_preferred() -> bool:
     return load() and torch.ops.tercet.octet_codes_preferred()
 
 
-def octet_codes(codes):
-    """`pack_block_codes`' 0..15 nibbles [P, K/2, 16] uint8 -> the same codes as octets [P, K/8, 16]
-    int32, the same bytes: per panel and block g of 32 k, row 4g + j's lane l holds the codes of
-    k = 32g + 4t + j (t = 0..7) in its bits 4t..4t + 3 (csrc/gemm.cpp). Only with fp16 scales, on a
+def octet_codes(codes, scales, offsets) -> list:
+    """`pack_block_codes`' 0..15 nibbles [P, K/2, 16] uint8 with fp16 d, m -> [octets [P, K/8, 16]
+    int32, scales, offsets]: the same bytes. Per panel and block g of 32 k, row 4g + j's lane l holds
+    the codes of k = 32g + 4t + j (t = 0..7) in its bits 4t..4t + 3; the panels go in pairs (2q,
+    2q + 1; a last odd one alone), per block the pair's rows panel after panel, and the d and m the
+    same way (so a one-row product reads each as one stream: csrc/gemm.cpp). For `block_linear` on a
     build where `octet_codes_preferred`."""
-    return torch.ops.tercet.octet_codes(codes)
+    return torch.ops.tercet.octet_codes(codes, scales, offsets)
 
 
 def block_linear(x, codes, scales, offsets, out_features: int, bias=None):

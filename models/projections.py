@@ -142,6 +142,8 @@ class BlockCodeLinear(Projection):
 
     def dense(self) -> torch.Tensor:
         codes, scales, offsets = self.codes  # w = float(q) * d + m per block of 32 k
+        if codes.dtype == torch.int32:
+            codes, scales, offsets = unpaired_octets(codes, scales, offsets)
         q = _unpack_codes(codes, self.shape[1]).float()
         panels = (q.unflatten(1, (scales.shape[1], -1)) * scales.float()[:, :, None]
                   + offsets.float()[:, :, None]).flatten(1, 2)
@@ -225,14 +227,27 @@ def fp32_block_codes(weight: torch.Tensor) -> list[torch.Tensor]:
     four, which octets take straight from the codes where nibbles go through a buffer)."""
     found = cpu_kernels.pack_block_codes(weight)
     if found and found[0].dtype == torch.uint8 and found[1].dtype == torch.float16 and cpu_kernels.octet_codes_preferred():
-        found[0] = cpu_kernels.octet_codes(found[0])
+        found = cpu_kernels.octet_codes(*found)
     return found
+
+
+def unpaired_octets(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
+    """`octet_codes`' three in pairs of panels -> panel after panel ([P, K/8, 16], [P, K/32, 16] twice)."""
+    def unpair(t: torch.Tensor, rows: int) -> torch.Tensor:  # `rows` rows a panel and block
+        panels, groups, lanes = t.shape[0], t.shape[1] // rows, t.shape[2]
+        whole = panels // 2 * 2
+        flat = t.reshape(-1, lanes)
+        pairs = flat[: whole * groups * rows].view(whole // 2, groups, 2, rows, lanes).transpose(1, 2)
+        return torch.cat([pairs.reshape(whole, groups * rows, lanes),
+                          flat[whole * groups * rows :].view(panels - whole, groups * rows, lanes)])
+    return [unpair(codes, 4), unpair(scales, 1), unpair(offsets, 1)]
 
 
 def _unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:
     """Block codes as `pack_block_codes` keeps them -> one int per code [P, K, 16]: two a byte
     (k = 2i low nibble, 2i + 1 high; uint8 0..15, int8 -8..7) where they have K / 2 rows; eight an
-    int32 (`cpu_kernels.octet_codes`: k = 32g + 4t + j in bits 4t of row 4g + j) where K / 8."""
+    int32 (`cpu_kernels.octet_codes`: k = 32g + 4t + j in bits 4t of row 4g + j, panel after panel:
+    `unpaired_octets`) where K / 8."""
     if codes.shape[1] == k:
         return codes
     if codes.dtype == torch.int32:  # octets [P, G * 4 (j), 16] -> fields [P, G, t, j, 16]

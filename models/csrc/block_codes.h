@@ -1,7 +1,8 @@
 // The layout of GGUF block codes as pack_block_codes (gemm.cpp, fp32) and pack_bf16_block_codes
 // (gemm_bf16.cpp) make it, checked the same way for both kernels: codes [panels, k or k / 2, 16]
 // (int8 a code, or two 4-bit codes a byte) or, for the fp32 kernel, [panels, k / 8, 16] int32
-// (octet_codes: eight 4-bit codes a lane), scales and offsets [panels, k / 32, 16] in fp16 or fp32.
+// (octet_codes: eight 4-bit codes a lane; its panels, scales and offsets in pairs: gemm.cpp), scales and
+// offsets [panels, k / 32, 16] in fp16 or fp32.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -37,7 +37,8 @@
 //
 //   pack_block_codes(w [N, K] fp32, compact = true) -> [codes, scales, offsets], or [] where W is not exactly so
 //   block_linear(x [M, K] fp32, codes, scales, offsets, n, bias?) -> y [M, n]
-//   octet_codes(codes [P, K/2, 16] uint8) -> the same codes as octets [P, K/8, 16] int32
+//   octet_codes(codes [P, K/2, 16] uint8, scales, offsets [P, K/32, 16] fp16) -> [octets [P, K/8, 16] int32,
+//     scales, offsets]: the same codes as octets, the three in pairs of panels (below)
 //   octet_codes_preferred() -> whether this build reads octets (AVX2; AVX-512 keeps the nibbles)
 
 #include <ATen/Parallel.h>
@@ -86,6 +87,10 @@ constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
 // fp32 blocks) SmolLM2's projections at 3 rows 1.45-1.62x, at 4 1.18-1.28x, at 5-6 0.64-0.76x (Zen 3 EPYC, 2
 // threads). Decode steps of one request with its drafts are 2-5 rows.
 constexpr int64_t kOctetDirectRows = 4;
+// Octets of a panel in a pair (two to six rows, and the buffer path past them) are every other block's
+// bytes: those calls ask for their lines this many blocks ahead (without: 2-4 rows 4-9 % slower, 8 rows 5 %,
+// than panel after panel; with: even, alternated in one window on a Zen 3 EPYC)
+constexpr int64_t kOctetAhead = 4;  // blocks
 #if TERCET_GEMM
 constexpr int kVecs = kPanel / vec::kLanes;  // vectors per panel row
 // Panels per call of the direct code paths, by rows: AVX2 4 accumulator chains for one row (two panels,
@@ -209,17 +214,49 @@ constexpr bool kOctetBuild = false;
 
 bool octet_codes_preferred() { return kOctetBuild; }
 
-at::Tensor octet_codes(const at::Tensor& codes) {
+// Octets keep their panels in pairs (2q and 2q + 1; a last odd panel alone): per block g of 32 k, the
+// pair's four rows panel after panel, and its d and its m the same way. A one-row product takes a pair a
+// call, so each of codes, d and m is read as one stream, in order, across a thread's panels. Panel after
+// panel (the nibbles' order), each call began six short streams (two panels' codes, d and m) and a
+// standalone copy of the one-row loop ran 1.35-1.5x slower on weights streamed from memory (Zen 3 EPYC,
+// one thread), where the same loop over data in cache runs the same in either order.
+// Element `e` of panel p's block g (`per` elements a panel and block: 64 codes lanes, 16 scales):
+inline int64_t octet_at(int64_t panels, int64_t groups, int64_t p, int64_t g, int64_t per) {
+  const int64_t pair = p / 2, width = (p | 1) < panels ? 2 : 1;
+  return (pair * 2 * groups + g * width + p % 2) * per;
+}
+
+struct OctetPanel {  // one panel of octets: block g's rows at q + g * qs, its d and m at d + g * ss, m + g * ss
+  const int32_t* q;
+  const c10::Half* d;
+  const c10::Half* m;
+  int64_t qs, ss;
+};
+
+inline OctetPanel octet_panel(const int32_t* q, const c10::Half* d, const c10::Half* m, int64_t panels,
+                              int64_t groups, int64_t p) {
+  const int64_t width = (p | 1) < panels ? 2 : 1, s = octet_at(panels, groups, p, 0, kPanel);
+  return {q + octet_at(panels, groups, p, 0, 4 * kPanel), d + s, m + s, width * 4 * kPanel, width * kPanel};
+}
+
+std::vector<at::Tensor> octet_codes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kPanel &&
                   codes.is_contiguous() && codes.size(1) > 0 && (codes.size(1) * 2) % kGroup == 0,
               "codes must be pack_block_codes' 0..15 nibbles [P, K/2, 16]");
-  const int64_t panels = codes.size(0), k = codes.size(1) * 2;
+  const int64_t panels = codes.size(0), k = codes.size(1) * 2, groups = k / kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && offsets.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  offsets.is_contiguous() && scales.sizes() == at::IntArrayRef({panels, groups, kPanel}) &&
+                  offsets.sizes() == scales.sizes(),
+              "octets take pack_block_codes' fp16 scales and offsets [P, K/32, 16] beside their codes");
   auto out = at::empty({panels, k / 8, kPanel}, codes.options().dtype(at::kInt));
+  auto d_out = at::empty(scales.sizes(), scales.options()), m_out = at::empty(offsets.sizes(), offsets.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  const c10::Half *d = scales.data_ptr<c10::Half>(), *m = offsets.data_ptr<c10::Half>();
+  c10::Half *dq = d_out.data_ptr<c10::Half>(), *mq = m_out.data_ptr<c10::Half>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t g = 0; g < k / kGroup; ++g)
+      for (int64_t g = 0; g < groups; ++g) {
         for (int64_t j = 0; j < 4; ++j)
           for (int64_t l = 0; l < kPanel; ++l) {
             uint32_t lane = 0;
@@ -228,10 +265,14 @@ at::Tensor octet_codes(const at::Tensor& codes) {
               const uint8_t byte = c[(p * (k / 2) + i / 2) * kPanel + l];
               lane |= static_cast<uint32_t>(i % 2 ? byte >> 4 : byte & 15) << (4 * t);
             }
-            o[(p * (k / 8) + 4 * g + j) * kPanel + l] = lane;
+            o[octet_at(panels, groups, p, g, 4 * kPanel) + j * kPanel + l] = lane;
           }
+        const int64_t at = octet_at(panels, groups, p, g, kPanel), from = (p * groups + g) * kPanel;
+        std::copy(d + from, d + from + kPanel, dq + at);
+        std::copy(m + from, m + from + kPanel, mq + at);
+      }
   });
-  return out;
+  return {out, d_out, m_out};
 }
 
 // Whether every float of t is exactly an fp16 (bit for bit: -0 stays -0)
@@ -402,45 +443,42 @@ inline vec::vf octet_code(const int32_t* row, int t, __m256i mask) {
 inline vec::vf octet_scale(vec::vf d, int t) { return vec::mul(d, vec::set1(t == 7 ? 16777216.f : 1.f / 16)); }
 #endif
 
-// `groups` consecutive blocks of octets' fp32 weights, w = float(q) * d + m (the bits of rebuild<S>),
-// into buf [groups * 32, 16]
-template <typename S>
-void decode_octets([[maybe_unused]] const int32_t* codes, [[maybe_unused]] const S* scales,
-                   [[maybe_unused]] const S* offsets, [[maybe_unused]] int64_t groups, [[maybe_unused]] float* buf) {
+// One panel of octets' fp32 weights, w = float(q) * d + m (the bits of rebuild<S>), into buf [k, 16]
+void decode_octets([[maybe_unused]] const OctetPanel& at, [[maybe_unused]] int64_t groups,
+                   [[maybe_unused]] float* buf) {
 #if TERCET_GEMM && !defined(__AVX512F__)
-  if constexpr (std::is_same_v<S, c10::Half>) {
-    for (int64_t g = 0; g < groups; ++g) {
-      vec::vf d[kVecs], m[kVecs];
-      for (int v = 0; v < kVecs; ++v)
-        d[v] = vec::load(scales + g * kPanel + v * vec::kLanes), m[v] = vec::load(offsets + g * kPanel + v * vec::kLanes);
-      const int32_t* rows = codes + 4 * g * kPanel;
-      float* out = buf + g * kGroup * kPanel;
-      __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    vec::vf d[kVecs], m[kVecs];
+    for (int v = 0; v < kVecs; ++v)
+      d[v] = vec::load(at.d + g * at.ss + v * vec::kLanes), m[v] = vec::load(at.m + g * at.ss + v * vec::kLanes);
+    const int32_t* rows = at.q + g * at.qs;
+    for (int l = 0; l < 4; ++l)  // (every other block's bytes where the panel has a pair: as direct_octets)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + kOctetAhead * at.qs) + 64 * l, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at.d + (g + kOctetAhead) * at.ss), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at.m + (g + kOctetAhead) * at.ss), _MM_HINT_T0);
+    float* out = buf + g * kGroup * kPanel;
+    __m256i mask = _mm256_set1_epi32(15);
 #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        if (t > 0) {
-          for (int v = 0; v < kVecs; ++v) d[v] = octet_scale(d[v], t);
-          mask = _mm256_slli_epi32(mask, 4);
-        }
-        for (int j = 0; j < 4; ++j)
-          for (int v = 0; v < kVecs; ++v)
-            vec::store(out + (4 * t + j) * kPanel + v * vec::kLanes,
-                       vec::fmadd(octet_code(rows + j * kPanel + v * vec::kLanes, t, mask), d[v], m[v]));
+    for (int t = 0; t < 8; ++t) {
+      if (t > 0) {
+        for (int v = 0; v < kVecs; ++v) d[v] = octet_scale(d[v], t);
+        mask = _mm256_slli_epi32(mask, 4);
       }
+      for (int j = 0; j < 4; ++j)
+        for (int v = 0; v < kVecs; ++v)
+          vec::store(out + (4 * t + j) * kPanel + v * vec::kLanes,
+                     vec::fmadd(octet_code(rows + j * kPanel + v * vec::kLanes, t, mask), d[v], m[v]));
     }
-    return;
   }
+#else
+  TORCH_CHECK(false, "octets need AVX2");
 #endif
-  TORCH_CHECK(false, "octets need AVX2 and fp16 scales");
 }
 
 // `count` consecutive panels' fp32 weights from their codes: w = float(q) * d + m, into buf [count, k, 16].
 template <Codes C, typename S>
 void decode_panels(const uint8_t* codes, const S* scales, const S* offsets, int64_t k, int64_t count, float* buf) {
-  if constexpr (C == Codes::kOctets) {
-    decode_octets(reinterpret_cast<const int32_t*>(codes), scales, offsets, count * (k / kGroup), buf);
-    return;
-  }
+  static_assert(C != Codes::kOctets, "octets: decode_octets, a panel at a time");
   for (int64_t g = 0; g < count * (k / kGroup); ++g) {  // the panels' groups, in order (contiguous)
     vec::vf d[kVecs], m[kVecs];
 #pragma GCC unroll 4
@@ -515,15 +553,10 @@ void direct(const float* x, int64_t ldx, const uint8_t* codes, const S* scales, 
 // accumulator at one row, and octets measured no faster than nibbles.
 template <int R, int P>
 void direct_octets([[maybe_unused]] const float* x, [[maybe_unused]] int64_t ldx,
-                   [[maybe_unused]] const uint8_t* codes, [[maybe_unused]] const c10::Half* scales,
-                   [[maybe_unused]] const c10::Half* offsets, [[maybe_unused]] int64_t k,
-                   [[maybe_unused]] int64_t count, [[maybe_unused]] float* y, [[maybe_unused]] int64_t ldc,
-                   [[maybe_unused]] int64_t cols, [[maybe_unused]] const float* bias) {
+                   [[maybe_unused]] const OctetPanel* at, [[maybe_unused]] int64_t k, [[maybe_unused]] float* y,
+                   [[maybe_unused]] int64_t ldc, [[maybe_unused]] int64_t cols, [[maybe_unused]] const float* bias) {
 #if !defined(__AVX512F__)
   constexpr int V = P * kVecs;
-  const block_codes::Panels<P, c10::Half> at(codes, scales, offsets, (k / 2) * kPanel, k / kGroup, count);
-  const int32_t* q[P];
-  for (int p = 0; p < P; ++p) q[p] = reinterpret_cast<const int32_t*>(at.q[p]);
   if constexpr (R == 1) {  // (one row: plain arrays, which GCC keeps in registers)
   __m256 c[V];
 #pragma GCC unroll 32
@@ -531,10 +564,13 @@ void direct_octets([[maybe_unused]] const float* x, [[maybe_unused]] int64_t ldx
   const int groups = static_cast<int>(k / kGroup);
   for (int g = 0; g < groups; ++g) {
     __m256 m[V], dt[V];
+    const int32_t* q[P];  // the panels' rows of block g
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) q[p] = at[p].q + g * at[p].qs;
 #pragma GCC unroll 32
     for (int v = 0; v < V; ++v) {
       const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
-      dt[v] = vec::load(at.d[p] + g * kPanel + lane), m[v] = vec::load(at.m[p] + g * kPanel + lane);
+      dt[v] = vec::load(at[p].d + g * at[p].ss + lane), m[v] = vec::load(at[p].m + g * at[p].ss + lane);
     }
     const __m256 sixteenth = _mm256_set1_ps(1.f / 16);
     __m256i mask = _mm256_set1_epi32(15);
@@ -547,7 +583,7 @@ void direct_octets([[maybe_unused]] const float* x, [[maybe_unused]] int64_t ldx
 #pragma GCC unroll 32
         for (int v = 0; v < V; ++v) {
           const __m256i raw = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(q[v / kVecs] + (4 * g + j) * kPanel + (v % kVecs) * vec::kLanes));
+              reinterpret_cast<const __m256i*>(q[v / kVecs] + j * kPanel + (v % kVecs) * vec::kLanes));
           const __m256i code = t < 7 ? _mm256_and_si256(raw, mask) : _mm256_srli_epi32(raw, 28);
           const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), dt[v], m[v]);
           c[v] = _mm256_fmadd_ps(a, w, c[v]);
@@ -576,10 +612,19 @@ void direct_octets([[maybe_unused]] const float* x, [[maybe_unused]] int64_t ldx
   const int groups = static_cast<int>(k / kGroup);
   for (int g = 0; g < groups; ++g) {
     __m256 m[V], dt[V];
+    const int32_t* q[P];  // the panels' rows of block g
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      q[p] = at[p].q + g * at[p].qs;
+      // (a panel of a pair, every other block's bytes: ask for the lines kOctetAhead blocks on)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(q[p] + kOctetAhead * at[p].qs) + 64 * l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(at[p].d + (g + kOctetAhead) * at[p].ss), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(at[p].m + (g + kOctetAhead) * at[p].ss), _MM_HINT_T0);
+    }
 #pragma GCC unroll 32
     for (int v = 0; v < V; ++v) {
       const int p = v / kVecs, lane = (v % kVecs) * vec::kLanes;
-      dt[v] = vec::load(at.d[p] + g * kPanel + lane), m[v] = vec::load(at.m[p] + g * kPanel + lane);
+      dt[v] = vec::load(at[p].d + g * at[p].ss + lane), m[v] = vec::load(at[p].m + g * at[p].ss + lane);
     }
     const __m256 sixteenth = _mm256_set1_ps(1.f / 16);
     __m256i mask = _mm256_set1_epi32(15);
@@ -594,7 +639,7 @@ void direct_octets([[maybe_unused]] const float* x, [[maybe_unused]] int64_t ldx
 #pragma GCC unroll 32
         for (int v = 0; v < V; ++v) {
           const __m256i raw = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(q[v / kVecs] + (4 * g + j) * kPanel + (v % kVecs) * vec::kLanes));
+              reinterpret_cast<const __m256i*>(q[v / kVecs] + j * kPanel + (v % kVecs) * vec::kLanes));
           const __m256i code = t < 7 ? _mm256_and_si256(raw, mask) : _mm256_srli_epi32(raw, 28);
           const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), dt[v], m[v]);
 #pragma GCC unroll 32
@@ -623,12 +668,8 @@ using DirectFn = void (*)(const float*, int64_t, const uint8_t*, const S*, const
                           int64_t, int64_t, const float*);
 template <int R, int P, Codes C, typename S>
 constexpr DirectFn<C, S> direct_of() {
-  if constexpr (C == Codes::kOctets) {
-    if constexpr (std::is_same_v<S, c10::Half>) return &direct_octets<R, P>;
-    else return nullptr;  // (octets come with fp16 scales only: block_linear)
-  } else {
-    return &direct<R, P, C, S>;
-  }
+  if constexpr (C == Codes::kOctets) return nullptr;  // (octets: kOctetDirect)
+  else return &direct<R, P, C, S>;
 }
 template <Codes C, typename S, int... R>
 constexpr std::array<DirectFn<C, S>, direct_rows(C)> directs_of(std::integer_sequence<int, R...>) {
@@ -644,6 +685,15 @@ constexpr std::array<DirectFn<C, S>, direct_rows(C)> narrow_directs_of(std::inte
 }
 template <Codes C, typename S>
 constexpr auto kDirectNarrow = narrow_directs_of<C, S>(std::make_integer_sequence<int, direct_rows(C)>());
+// The same for octets, by rows: each call its P panels as OctetPanel (past `count`, the first again)
+using OctetFn = void (*)(const float*, int64_t, const OctetPanel*, int64_t, float*, int64_t, int64_t, const float*);
+template <int... R>
+constexpr std::array<OctetFn, kOctetDirectRows> octet_directs_of(std::integer_sequence<int, R...>, bool narrow) {
+  return {(narrow ? &direct_octets<R + 1, std::max(1, direct_panels(R + 1) / 2)>
+                  : &direct_octets<R + 1, direct_panels(R + 1)>)...};
+}
+constexpr auto kOctetDirect = octet_directs_of(std::make_integer_sequence<int, kOctetDirectRows>(), false);
+constexpr auto kOctetNarrow = octet_directs_of(std::make_integer_sequence<int, kOctetDirectRows>(), true);
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -759,9 +809,16 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
           const int64_t count = std::min<int64_t>(width, last - p);
           const int64_t cols = std::min(count * kPanel, n - p * kPanel);
           const float* pb = b != nullptr ? b + p * kPanel : nullptr;
-          const auto& fns = count * 2 <= width ? kDirectNarrow<C, S> : kDirect<C, S>;
-          fns[m - 1](a, k, c + p * cstride, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols,
-                     pb);
+          if constexpr (C == Codes::kOctets) {
+            OctetPanel at[4];  // (P <= 2 on AVX2)
+            for (int64_t i = 0; i < 4; ++i)
+              at[i] = octet_panel(reinterpret_cast<const int32_t*>(c), d, mo, panels, k / kGroup, p + (i < count ? i : 0));
+            (count * 2 <= width ? kOctetNarrow : kOctetDirect)[m - 1](a, k, at, k, out + p * kPanel, n, cols, pb);
+          } else {
+            const auto& fns = count * 2 <= width ? kDirectNarrow<C, S> : kDirect<C, S>;
+            fns[m - 1](a, k, c + p * cstride, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols,
+                       pb);
+          }
           p += count;
         }
       }
@@ -769,7 +826,13 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
     return y;
   }
   return project(x, panels, n, b, kCodeBlockRows, [&](int64_t p, int64_t count, float* buf) {
-    decode_panels<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, k, count, buf);
+    if constexpr (C == Codes::kOctets) {
+      for (int64_t i = 0; i < count; ++i)
+        decode_octets(octet_panel(reinterpret_cast<const int32_t*>(c), d, mo, panels, k / kGroup, p + i), k / kGroup,
+                      buf + i * k * kPanel);
+    } else {
+      decode_panels<C, S>(c + p * cstride, d + p * sstride, mo + p * sstride, k, count, buf);
+    }
     return static_cast<const float*>(buf);
   });
 }
@@ -780,7 +843,11 @@ at::Tensor codes_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   if (scales.scalar_type() == at::kHalf)
     return codes_linear<C>(x, c, scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), codes.size(0), k, n, b);
-  return codes_linear<C>(x, c, scales.data_ptr<float>(), offsets.data_ptr<float>(), codes.size(0), k, n, b);
+  if constexpr (C == Codes::kOctets) {
+    TORCH_CHECK(false, "octets need fp16 scales");  // (block_linear refuses them before)
+  } else {
+    return codes_linear<C>(x, c, scales.data_ptr<float>(), offsets.data_ptr<float>(), codes.size(0), k, n, b);
+  }
 }
 #endif
 
@@ -812,7 +879,7 @@ TORCH_LIBRARY_FRAGMENT(tercet, m) {
   m.def("packed_linear_available() -> bool", &packed_linear_available);
   m.def("pack_block_codes(Tensor w, bool compact=True) -> Tensor[]");
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
-  m.def("octet_codes(Tensor codes) -> Tensor");
+  m.def("octet_codes(Tensor codes, Tensor scales, Tensor offsets) -> Tensor[]");
   m.def("octet_codes_preferred() -> bool", &octet_codes_preferred);
   m.impl("octet_codes", c10::DispatchKey::CPU, TORCH_FN(octet_codes));
   m.impl("pack_block_codes", c10::DispatchKey::CPU, TORCH_FN(pack_block_codes));

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models import cpu_kernels
-from models.projections import BlockCodeLinear, Linear
+from models.projections import BlockCodeLinear, Linear, unpaired_octets
 
 from gguf_weights import quantized  # (this directory)
 
@@ -37,7 +37,7 @@ def octets_of(codes) -> list | None:
     """The same codes as octets where this build reads them and they fit (0..15, fp16 d and m), else None."""
     if codes[0].dtype != torch.uint8 or codes[1].dtype != torch.float16 or not cpu_kernels.octet_codes_preferred():
         return None
-    return [cpu_kernels.octet_codes(codes[0]), *codes[1:]]
+    return cpu_kernels.octet_codes(*codes)
 
 
 def nbytes(codes) -> int:
@@ -147,27 +147,42 @@ def test_linear_keeps_a_q4_1_weight_in_nibbles_with_the_products_of_the_panels(f
         assert torch.equal(coded(x[:rows], tile=16), panels(x[:rows]))
 
 
-def test_octets_hold_the_nibbles_codes_and_are_refused_where_they_do_not_fit(fp32):
-    """`octet_codes`: k = 32g + 4t + j in bits 4t of row 4g + j, the same bytes as the nibbles."""
+def test_octets_hold_the_nibbles_codes_in_pairs_of_panels_and_are_refused_where_they_do_not_fit(fp32):
+    """`octet_codes`: k = 32g + 4t + j in bits 4t of row 4g + j, the same bytes as the nibbles; the
+    panels in pairs (per block, the pair's rows panel after panel; a last odd panel alone), the d and
+    m the same way."""
     g = torch.Generator().manual_seed(9)
-    q = torch.randint(0, 16, (2, 64, 16), generator=g)
+    q = torch.randint(0, 16, (3, 64, 16), generator=g)  # 3 panels: a pair and one alone; 2 blocks
     nibbles = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).to(torch.uint8)
-    octets = cpu_kernels.octet_codes(nibbles)
-    assert octets.dtype == torch.int32 and octets.shape == (2, 8, 16)
-    want = sum(q.view(2, 2, 8, 4, 16)[:, :, t].long() << (4 * t) for t in range(8))  # [P, g, j, 16]
-    assert torch.equal(octets.view(2, 2, 4, 16).long() & 0xFFFFFFFF, want)
+    scales, offsets = torch.randn(3, 2, 16, generator=g).half(), torch.randn(3, 2, 16, generator=g).half()
+    octets, d, m = cpu_kernels.octet_codes(nibbles, scales, offsets)
+    assert octets.dtype == torch.int32 and octets.shape == (3, 8, 16) and d.shape == m.shape == (3, 2, 16)
+    want = sum(q.view(3, 2, 8, 4, 16)[:, :, t].long() << (4 * t) for t in range(8))  # [P, g, j, 16]
+    flat = octets.reshape(-1, 4, 16).long() & 0xFFFFFFFF  # the (panel, block)s in memory order
+    order = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]  # the pair by block, then the last panel
+    assert all(torch.equal(flat[i], want[p, b]) for i, (p, b) in enumerate(order))
+    assert all(torch.equal(d.reshape(-1, 16)[i], scales[p, b]) and torch.equal(m.reshape(-1, 16)[i], offsets[p, b])
+               for i, (p, b) in enumerate(order))
+    planar = unpaired_octets(octets, d, m)
+    assert torch.equal(planar[1], scales) and torch.equal(planar[2], offsets)
+    assert torch.equal(planar[0].view(3, 2, 4, 16).long() & 0xFFFFFFFF, want)
     with pytest.raises(RuntimeError, match="0..15 nibbles"):
-        cpu_kernels.octet_codes(nibbles.view(torch.int8))  # signed codes stay nibbles
+        cpu_kernels.octet_codes(nibbles.view(torch.int8), scales, offsets)  # signed codes stay nibbles
     with pytest.raises(RuntimeError, match="0..15 nibbles"):
-        cpu_kernels.octet_codes(nibbles[:, :8].contiguous())  # not whole blocks of 32
+        cpu_kernels.octet_codes(nibbles[:, :8].contiguous(), scales, offsets)  # not whole blocks of 32
+    with pytest.raises(RuntimeError, match="fp16 scales"):
+        cpu_kernels.octet_codes(nibbles, scales.float(), offsets.float())
+    with pytest.raises(RuntimeError, match="fp16 scales"):
+        cpu_kernels.octet_codes(nibbles, scales[:2].contiguous(), offsets[:2].contiguous())  # not this weight's
     codes, scales, offsets = cpu_kernels.pack_block_codes(quantized(40, 64, "q4_1"))
-    octets, x = cpu_kernels.octet_codes(codes), torch.zeros(2, 64)
+    octets, d, m = cpu_kernels.octet_codes(codes, scales, offsets)
+    x = torch.zeros(2, 64)
     if cpu_kernels.octet_codes_preferred():
         with pytest.raises(RuntimeError, match="fp16 scales"):
-            cpu_kernels.block_linear(x, octets, scales.float(), offsets.float(), 40)
+            cpu_kernels.block_linear(x, octets, d.float(), m.float(), 40)
     else:
         with pytest.raises(RuntimeError, match="AVX2 build"):
-            cpu_kernels.block_linear(x, octets, scales, offsets, 40)
+            cpu_kernels.block_linear(x, octets, d, m, 40)
 
 
 def test_block_linear_refuses_layouts_that_do_not_fit(fp32):
