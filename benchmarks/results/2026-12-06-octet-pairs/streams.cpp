@@ -1,6 +1,7 @@
 // A standalone copy of direct_octets' one-row loop (gemm.cpp at 2e27bc8) over octets streamed from memory
 // (~31 MB, one thread): panel after panel (planar, as at 2e27bc8), the three in pairs of panels (as 11c1d37), and
 // codes, d and m of a pair in one stream; ns a block of 32 weights, best of 5. Same bits from each (checked).
+// The variants repeat the loop on purpose: only where they read codes, d and m differs (duplicates flags them).
 //   g++ -O3 -march=native -std=c++17 -o streams streams.cpp && ./streams
 // octets, one row: V=4 (2 panels, d and m in registers: gemm.cpp today) vs V=6 (3 panels, m from an fp32
 // stack copy as the FMA's memory operand) vs V=4 with m from memory.  codes int32 [P][k/8][16], d,m fp16 [P][k/32][16]
@@ -180,88 +181,6 @@ double run_il(int n, int k, int reps, std::vector<float>& yout) {
   for (int r = 0; r < reps; ++r) {
     auto t0 = std::chrono::steady_clock::now();
     for (int pp = 0; pp < panels / 2; ++pp) oct_il<PF>(x.data(), il.data() + (size_t)pp * groups * 640, k, y.data() + pp * 32);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s < best) best = s;
-  }
-  yout = y;
-  return best * 1e9 / ((double)panels * 16 * k / 32);
-}
-
-// per panel one stream: per group [codes (64 int32) | d (16 half) | m (16 half)] = 320 B; a call reads 2 panels
-template <int PF>
-__attribute__((noinline)) void oct_pp(const float* x, const uint8_t* const* base, int k, float* y) {
-  constexpr int V = 4;
-  __m256 c[V];
-#pragma GCC unroll 32
-  for (int v = 0; v < V; ++v) c[v] = _mm256_setzero_ps();
-  const int groups = k / 32;
-  for (int g = 0; g < groups; ++g) {
-    const uint8_t* blk[2] = {base[0] + (size_t)g * 320, base[1] + (size_t)g * 320};
-    if constexpr (PF > 0) {
-#pragma GCC unroll 10
-      for (int l = 0; l < 5; ++l) { _mm_prefetch((const char*)blk[0] + PF * 320 + 64 * l, _MM_HINT_T0); _mm_prefetch((const char*)blk[1] + PF * 320 + 64 * l, _MM_HINT_T0); }
-    }
-    __m256 m[V], dt[V];
-#pragma GCC unroll 32
-    for (int v = 0; v < V; ++v) { dt[v] = ldh((const half*)(blk[v / 2] + 256) + (v % 2) * 8); m[v] = ldh((const half*)(blk[v / 2] + 288) + (v % 2) * 8); }
-    const __m256 sixteenth = _mm256_set1_ps(1.f / 16);
-    __m256i mask = _mm256_set1_epi32(15);
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const int i = g * 32 + 4 * t + j;
-        const __m256 a = _mm256_set1_ps(x[i]);
-#pragma GCC unroll 32
-        for (int v = 0; v < V; ++v) {
-          const __m256i raw = _mm256_loadu_si256((const __m256i*)((const int32_t*)blk[v / 2] + j * 16 + (v % 2) * 8));
-          const __m256i code = t < 7 ? _mm256_and_si256(raw, mask) : _mm256_srli_epi32(raw, 28);
-          const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), dt[v], m[v]);
-          c[v] = _mm256_fmadd_ps(a, w, c[v]);
-        }
-      }
-      if (t < 6) {
-        mask = _mm256_slli_epi32(mask, 4);
-#pragma GCC unroll 32
-        for (int v = 0; v < V; ++v) dt[v] = _mm256_mul_ps(dt[v], sixteenth);
-      } else if (t == 6) {
-#pragma GCC unroll 32
-        for (int v = 0; v < V; ++v) dt[v] = _mm256_mul_ps(dt[v], _mm256_set1_ps(16777216.f));
-      }
-    }
-  }
-#pragma GCC unroll 32
-  for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + v * 8, c[v]);
-}
-
-template <int PF>
-double run_pp(int n, int k, int reps, std::vector<float>& yout) {
-  int panels = n / 16;
-  std::vector<int32_t> codes((size_t)panels * k / 8 * 16);
-  std::vector<half> d((size_t)panels * k / 32 * 16), m(d.size());
-  std::vector<float> x(k), y(n + 64);
-  srand(1);
-  for (auto& c : codes) c = rand();
-  for (auto& f : d) f = 0x1C00 + rand() % 512;
-  for (auto& f : m) f = 0xA000 + rand() % 512;
-  for (auto& f : x) f = 0.1f * (rand() % 10);
-  const int groups = k / 32;
-  std::vector<uint8_t> pp((size_t)panels * groups * 320);
-  for (int p = 0; p < panels; ++p)
-    for (int g = 0; g < groups; ++g) {
-      uint8_t* blk = pp.data() + ((size_t)p * groups + g) * 320;
-      memcpy(blk, codes.data() + ((size_t)p * k / 8 + 4 * g) * 16, 256);
-      memcpy(blk + 256, d.data() + ((size_t)p * groups + g) * 16, 32);
-      memcpy(blk + 288, m.data() + ((size_t)p * groups + g) * 16, 32);
-    }
-  codes.clear(); codes.shrink_to_fit();
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    auto t0 = std::chrono::steady_clock::now();
-    for (int p = 0; p < panels; p += 2) {
-      const uint8_t* b[2] = {pp.data() + (size_t)p * groups * 320, pp.data() + (size_t)(p + 1) * groups * 320};
-      oct_pp<PF>(x.data(), b, k, y.data() + p * 16);
-    }
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s < best) best = s;
   }
