@@ -87,7 +87,7 @@ constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
 // fp32 blocks) SmolLM2's projections at 3 rows 1.45-1.62x, at 4 1.18-1.28x, at 5-6 0.64-0.76x (Zen 3 EPYC, 2
 // threads). Decode steps of one request with its drafts are 2-5 rows.
 constexpr int64_t kOctetDirectRows = 4;
-// Octets of a panel in a pair (two to six rows, and the buffer path past them) are every other block's
+// A call on one panel of a pair (two to four rows, and the buffer path past them) reads every other block's
 // bytes: those calls ask for their lines this many blocks ahead (without: 2-4 rows 4-9 % slower, 8 rows 5 %,
 // than panel after panel; with: even, alternated in one window on a Zen 3 EPYC)
 constexpr int64_t kOctetAhead = 4;  // blocks
