@@ -219,6 +219,9 @@ async def test_openai_stop_n_and_usage(server):
         assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 3
         assert all(count > before for before, count, event in zip(counts, counts[1:], mine[1:])
                    if event["choices"][0]["text"])  # text comes with its tokens
+    for hostile in ({"continuous_usage_stats": "yes"}, {"continuous_usage_stats": [True]}, {"usage_every": True}):
+        r = await server.post("/v1/completions", json={**batch, "stream": True, "stream_options": hostile})
+        assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"], r.text
 
 
 async def test_admin_routes(server):
