@@ -87,6 +87,12 @@ constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
 // fp32 blocks) SmolLM2's projections at 3 rows 1.45-1.62x, at 4 1.18-1.28x, at 5-6 0.64-0.76x (Zen 3 EPYC, 2
 // threads). Decode steps of one request with its drafts are 2-5 rows.
 constexpr int64_t kOctetDirectRows = 4;
+// AVX2, past those rows: still straight from the codes, up to grouped_rows(C) rows, in groups of row_group(C)
+// rows over each panel (its codes still in L1 for the next group; a last lone row read in place). Against the
+// buffer path, alternated in one process on a Zen 3 EPYC (2 threads, SmolLM2): octets (groups of 3) at 5-8
+// rows 1.00-1.08x a projection, gate_up the most; the LM head's Q8_0 bytes (groups of 2) at 3-4 rows
+// 1.09-1.11x, at 5-8 0.83-0.96x. AVX-512 keeps its direct rows.
+constexpr int64_t kGroupedOctetRows = 8, kGroupedRows = 4;
 // A call on one panel of a pair (two to four rows, and the buffer path past them) reads every other block's
 // bytes: those calls ask for their lines this many blocks ahead (without: 2-4 rows 4-9 % slower, 8 rows 5 %,
 // than panel after panel; with: even, alternated in one window on a Zen 3 EPYC)
@@ -196,6 +202,10 @@ bool exact_block(const float* v, bool signed_first, int8_t* q, float* d_out, flo
 // 0..15 (uint8) or -8..7 (int8, two's complement nibbles); or 0..15 as octets (octet_codes)
 enum class Codes { kBytes, kNibbles, kSignedNibbles, kOctets };
 constexpr int64_t direct_rows(Codes c) { return c == Codes::kOctets ? kOctetDirectRows : kDirectRows; }
+constexpr int64_t grouped_rows(Codes c) {
+  return kInPlace ? direct_rows(c) : c == Codes::kOctets ? kGroupedOctetRows : kGroupedRows;
+}
+constexpr int64_t row_group(Codes c) { return c == Codes::kOctets ? 3 : 2; }  // (divides kRows: a group in one block)
 constexpr int64_t per_byte(Codes c) { return c == Codes::kBytes ? 1 : 2; }
 
 // Octets: per panel and block g of 32 k, four rows j = 0..3 of 16 int32 lanes, lane l of row j holding
@@ -791,11 +801,17 @@ template <Codes C, typename S>
 at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const S* mo, int64_t panels, int64_t k,
                         int64_t n, const float* b) {
   const int64_t sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's, each
-  if (x.size(0) >= 1 && x.size(0) <= direct_rows(C)) {  // straight from the codes
+  if (x.size(0) >= 1 && x.size(0) <= grouped_rows(C)) {  // straight from the codes
     const int64_t m = x.size(0);
-    const int64_t width = direct_panels(static_cast<int>(m));
-    const auto rows_in = m == 1 ? x.contiguous() : block_rows_of(x);  // (one row is read in place: see direct)
+    const bool whole = m <= direct_rows(C);  // one call a panel's rows, else groups of row_group(C)
+    const int64_t width = whole ? direct_panels(static_cast<int>(m)) : 1;
+    const auto xin = x.contiguous();
+    const auto rows_in = m == 1 ? xin : block_rows_of(xin);  // (one row is read in place: see direct)
     const float* a = rows_in.data_ptr<float>();
+    // a group's first row, r of rows: in its block (r % kRows within it), or in place for a lone row
+    const auto group_at = [&](int64_t r, int64_t rows) {
+      return rows == 1 ? xin.data_ptr<float>() + r * k : rows_at(a, r, k) + r % kRows;
+    };
     auto y = at::empty({m, n}, x.options());
     float* out = y.data_ptr<float>();
     // Each thread takes an even share of the panels, in calls of `width` and a narrower one for what is
@@ -813,11 +829,24 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
             OctetPanel at[4];  // (P <= 2 on AVX2)
             for (int64_t i = 0; i < 4; ++i)
               at[i] = octet_panel(reinterpret_cast<const int32_t*>(c), d, mo, panels, k / kGroup, p + (i < count ? i : 0));
-            (count * 2 <= width ? kOctetNarrow : kOctetDirect)[m - 1](a, k, at, k, out + p * kPanel, n, cols, pb);
-          } else {
+            if (whole) {
+              (count * 2 <= width ? kOctetNarrow : kOctetDirect)[m - 1](a, k, at, k, out + p * kPanel, n, cols, pb);
+            } else {
+              for (int64_t r = 0, rows; r < m; r += rows) {
+                rows = std::min(row_group(C), m - r);
+                kOctetNarrow[rows - 1](group_at(r, rows), k, at, k, out + r * n + p * kPanel, n, cols, pb);
+              }
+            }
+          } else if (whole) {
             const auto& fns = count * 2 <= width ? kDirectNarrow<C, S> : kDirect<C, S>;
             fns[m - 1](a, k, c + p * cstride, d + p * sstride, mo + p * sstride, k, count, out + p * kPanel, n, cols,
                        pb);
+          } else {
+            for (int64_t r = 0, rows; r < m; r += rows) {
+              rows = std::min(row_group(C), m - r);
+              kDirectNarrow<C, S>[rows - 1](group_at(r, rows), k, c + p * cstride, d + p * sstride, mo + p * sstride,
+                                            k, count, out + r * n + p * kPanel, n, cols, pb);
+            }
           }
           p += count;
         }

@@ -20,7 +20,7 @@ from gguf_weights import quantized  # (this directory)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
 
-ROWS = [1, 2, 3, 4, 5, 8, 9, 64, 400]  # one row, two, the direct paths up to 8 (octets: 4), the buffer path (one block, several)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 400]  # one row, two, the direct paths (AVX2: in groups of rows up to 8), the buffer path (one block, several)
 # kind -> (codes dtype, codes a byte, scales dtype)
 LAYOUT = {"q4_1": (torch.uint8, 2, torch.float16), "q4_0": (torch.int8, 2, torch.float16),
           "q8_0": (torch.int8, 1, torch.float16), "mixed": (torch.int8, 1, torch.float16)}
