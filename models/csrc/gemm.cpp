@@ -83,17 +83,19 @@ constexpr int64_t kGroup = 32;      // k per block of codes (GGUF's Q4_1 and Q8_
 // a block's rows: 1.1-2.4x the fp32 kernel at 3-8 rows for qkv and gate_up, where the buffer path
 // made 0.66-1.3x: bench_gemm)
 constexpr int64_t kDirectRows = kRows > 6 ? kRows : 2;
-// octets go straight from the codes up to 4 rows: against their buffer path (rebuild into a buffer, then the
-// fp32 blocks) SmolLM2's projections at 3 rows 1.45-1.62x, at 4 1.18-1.28x, at 5-6 0.64-0.76x (Zen 3 EPYC, 2
+// octets go straight from the codes (direct_octets, one call a panel's rows) up to 3 rows: against their buffer
+// path (rebuild into a buffer, then the fp32 blocks) SmolLM2's projections at 3 rows 1.45-1.62x (Zen 3 EPYC, 2
 // threads). Decode steps of one request with its drafts are 2-5 rows.
-constexpr int64_t kOctetDirectRows = 4;
-// AVX2, past those rows: still straight from the codes, up to grouped_rows(C) rows, in groups of row_group(C)
-// rows over each panel (its codes still in L1 for the next group; a last lone row read in place). Against the
-// buffer path, alternated in one process on a Zen 3 EPYC (2 threads, SmolLM2): octets (groups of 3) at 5-8
-// rows 1.00-1.08x a projection, gate_up the most; the LM head's Q8_0 bytes (groups of 2) at 3-4 rows
-// 1.09-1.11x, at 5-8 0.83-0.96x. AVX-512 keeps its direct rows.
+constexpr int64_t kOctetDirectRows = 3;
+// AVX2, past those rows and up to grouped_rows(C): still from the codes, no buffer, a group of rows after another
+// over each panel (its codes in L1 for the next group; a last lone row read in place, a group never across a
+// block of kRows). Octets: 4-5 rows at once (block_octets), 6-8 in threes then the rest; bytes (the LM head's
+// Q8_0): pairs. Alternated on a Zen 3 EPYC (2 threads, SmolLM2): against the buffer path, octets in threes at
+// 5-8 rows 1.00-1.08x a projection, the head in pairs at 3-4 rows 1.09-1.11x (at 5-8 0.83-0.96x: not taken);
+// decode steps at 3-8 rows 1.02x. Then block_octets against direct_octets at 4 rows and threes + 2 at 5: steps
+// 1.05-1.06x; at 6 rows against threes 0.87x (not taken). AVX-512 keeps its direct rows.
 constexpr int64_t kGroupedOctetRows = 8, kGroupedRows = 4;
-// A call on one panel of a pair (two to four rows, and the buffer path past them) reads every other block's
+// A call on one panel of a pair (two rows up, and the buffer path past them) reads every other block's
 // bytes: those calls ask for their lines this many blocks ahead (without: 2-4 rows 4-9 % slower, 8 rows 5 %,
 // than panel after panel; with: even, alternated in one window on a Zen 3 EPYC)
 constexpr int64_t kOctetAhead = 4;  // blocks
@@ -205,7 +207,6 @@ constexpr int64_t direct_rows(Codes c) { return c == Codes::kOctets ? kOctetDire
 constexpr int64_t grouped_rows(Codes c) {
   return kInPlace ? direct_rows(c) : c == Codes::kOctets ? kGroupedOctetRows : kGroupedRows;
 }
-constexpr int64_t row_group(Codes c) { return c == Codes::kOctets ? 3 : 2; }  // (divides kRows: a group in one block)
 constexpr int64_t per_byte(Codes c) { return c == Codes::kBytes ? 1 : 2; }
 
 // Octets: per panel and block g of 32 k, four rows j = 0..3 of 16 int32 lanes, lane l of row j holding
@@ -453,33 +454,73 @@ inline vec::vf octet_code(const int32_t* row, int t, __m256i mask) {
 inline vec::vf octet_scale(vec::vf d, int t) { return vec::mul(d, vec::set1(t == 7 ? 16777216.f : 1.f / 16)); }
 #endif
 
+#if TERCET_GEMM && !defined(__AVX512F__)
+// Block g of a panel of octets: its 32 k x 16 fp32 weights, w = float(q) * d + m (the bits of rebuild<S>), into
+// out [32, 16], k in order; the lines kOctetAhead blocks on asked for (every other block's bytes where the panel
+// has a pair: as direct_octets)
+inline void decode_octet_block(const OctetPanel& at, int64_t g, float* out) {
+  vec::vf d[kVecs], m[kVecs];
+  for (int v = 0; v < kVecs; ++v)
+    d[v] = vec::load(at.d + g * at.ss + v * vec::kLanes), m[v] = vec::load(at.m + g * at.ss + v * vec::kLanes);
+  const int32_t* rows = at.q + g * at.qs;
+  for (int l = 0; l < 4; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(rows + kOctetAhead * at.qs) + 64 * l, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(at.d + (g + kOctetAhead) * at.ss), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(at.m + (g + kOctetAhead) * at.ss), _MM_HINT_T0);
+  __m256i mask = _mm256_set1_epi32(15);
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+    if (t > 0) {
+      for (int v = 0; v < kVecs; ++v) d[v] = octet_scale(d[v], t);
+      mask = _mm256_slli_epi32(mask, 4);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs; ++v)
+        vec::store(out + (4 * t + j) * kPanel + v * vec::kLanes,
+                   vec::fmadd(octet_code(rows + j * kPanel + v * vec::kLanes, t, mask), d[v], m[v]));
+  }
+}
+
+// R rows (x as block's) against one panel of octets, each block decoded into 2 KB (L1) and the rows' 2R
+// accumulator chains fed from there, k in order: the bits of direct_octets. With the weights decoded first,
+// neither d, m nor the mask stay live beside the accumulators: direct_octets spills from 4 rows (a standalone
+// copy, one thread, a Zen 3 EPYC: 4 rows 6.2-6.7 cycles a k and 16 columns against 5.8-6.3 here, 5 rows 13.4-13.9
+// against 6.7-7.2, 6 rows 16 against 7.7-8.1; the FMAs alone: 1 + R)
+template <int R>
+void block_octets(const float* x, int64_t, const OctetPanel* at, int64_t k, float* y, int64_t ldc, int64_t cols,
+                  const float* bias) {
+  vec::vf c[R][kVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < kVecs; ++v) c[r][v] = vec::zero();
+  alignas(64) float w[kGroup * kPanel];
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    decode_octet_block(at[0], g, w);
+#pragma GCC unroll 32
+    for (int i = 0; i < kGroup; ++i) {
+      vec::vf wv[kVecs];
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs; ++v) wv[v] = vec::load(w + i * kPanel + v * vec::kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const vec::vf a = vec::set1(x[(g * kGroup + i) * kRows + r]);
+#pragma GCC unroll 2
+        for (int v = 0; v < kVecs; ++v) c[r][v] = vec::fmadd(a, wv[v], c[r][v]);
+      }
+    }
+  }
+  store_rows<R, kVecs>(c, y, ldc, cols, bias);
+}
+#endif
+
 // One panel of octets' fp32 weights, w = float(q) * d + m (the bits of rebuild<S>), into buf [k, 16]
 void decode_octets([[maybe_unused]] const OctetPanel& at, [[maybe_unused]] int64_t groups,
                    [[maybe_unused]] float* buf) {
 #if TERCET_GEMM && !defined(__AVX512F__)
-  for (int64_t g = 0; g < groups; ++g) {
-    vec::vf d[kVecs], m[kVecs];
-    for (int v = 0; v < kVecs; ++v)
-      d[v] = vec::load(at.d + g * at.ss + v * vec::kLanes), m[v] = vec::load(at.m + g * at.ss + v * vec::kLanes);
-    const int32_t* rows = at.q + g * at.qs;
-    for (int l = 0; l < 4; ++l)  // (every other block's bytes where the panel has a pair: as direct_octets)
-      _mm_prefetch(reinterpret_cast<const char*>(rows + kOctetAhead * at.qs) + 64 * l, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at.d + (g + kOctetAhead) * at.ss), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at.m + (g + kOctetAhead) * at.ss), _MM_HINT_T0);
-    float* out = buf + g * kGroup * kPanel;
-    __m256i mask = _mm256_set1_epi32(15);
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      if (t > 0) {
-        for (int v = 0; v < kVecs; ++v) d[v] = octet_scale(d[v], t);
-        mask = _mm256_slli_epi32(mask, 4);
-      }
-      for (int j = 0; j < 4; ++j)
-        for (int v = 0; v < kVecs; ++v)
-          vec::store(out + (4 * t + j) * kPanel + v * vec::kLanes,
-                     vec::fmadd(octet_code(rows + j * kPanel + v * vec::kLanes, t, mask), d[v], m[v]));
-    }
-  }
+  for (int64_t g = 0; g < groups; ++g) decode_octet_block(at, g, buf + g * kGroup * kPanel);
 #else
   TORCH_CHECK(false, "octets need AVX2");
 #endif
@@ -704,6 +745,11 @@ constexpr std::array<OctetFn, kOctetDirectRows> octet_directs_of(std::integer_se
 }
 constexpr auto kOctetDirect = octet_directs_of(std::make_integer_sequence<int, kOctetDirectRows>(), false);
 constexpr auto kOctetNarrow = octet_directs_of(std::make_integer_sequence<int, kOctetDirectRows>(), true);
+// A group of rows over one panel (grouped_rows): direct_octets up to kOctetDirectRows, block_octets past them
+#if !defined(__AVX512F__)
+constexpr std::array<OctetFn, 5> kOctetGroup = {&direct_octets<1, 1>, &direct_octets<2, 1>, &direct_octets<3, 1>,
+                                                &block_octets<4>, &block_octets<5>};
+#endif
 #endif
 
 const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
@@ -832,10 +878,12 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
             if (whole) {
               (count * 2 <= width ? kOctetNarrow : kOctetDirect)[m - 1](a, k, at, k, out + p * kPanel, n, cols, pb);
             } else {
-              for (int64_t r = 0, rows; r < m; r += rows) {
-                rows = std::min(row_group(C), m - r);
-                kOctetNarrow[rows - 1](group_at(r, rows), k, at, k, out + r * n + p * kPanel, n, cols, pb);
+#if !defined(__AVX512F__)
+              for (int64_t r = 0, rows; r < m; r += rows) {  // (4-5 rows at once; 6-8 in threes, then 1-2)
+                rows = m <= 5 ? m : std::min<int64_t>(3, m - r);
+                kOctetGroup[rows - 1](group_at(r, rows), k, at, k, out + r * n + p * kPanel, n, cols, pb);
               }
+#endif
             }
           } else if (whole) {
             const auto& fns = count * 2 <= width ? kDirectNarrow<C, S> : kDirect<C, S>;
@@ -843,7 +891,7 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
                        pb);
           } else {
             for (int64_t r = 0, rows; r < m; r += rows) {
-              rows = std::min(row_group(C), m - r);
+              rows = std::min<int64_t>(2, m - r);  // (pairs: a group in one block of kRows)
               kDirectNarrow<C, S>[rows - 1](group_at(r, rows), k, c + p * cstride, d + p * sstride, mo + p * sstride,
                                             k, count, out + r * n + p * kPanel, n, cols, pb);
             }
