@@ -90,7 +90,7 @@ constexpr int64_t kOctetDirectRows = 3;
 // AVX2, past those rows and up to grouped_rows(C): still from the codes, no buffer, a group of rows after another
 // over each panel (its codes in L1 for the next group; a last lone row read in place, a group never across a
 // block of kRows). Octets: 4-5 rows at once (block_octets), 6-8 in threes then the rest; bytes (the LM head's
-// Q8_0): pairs. Alternated on a Zen 3 EPYC (2 threads, SmolLM2): against the buffer path, octets in threes at
+// Q8_0) and nibbles: pairs. Alternated on a Zen 3 EPYC (2 threads, SmolLM2): against the buffer path, octets in threes at
 // 5-8 rows 1.00-1.08x a projection, the head in pairs at 3-4 rows 1.09-1.11x (at 5-8 0.83-0.96x: not taken);
 // decode steps at 3-8 rows 1.02x. Then block_octets against direct_octets at 4 rows and threes + 2 at 5: steps
 // 1.05-1.06x; at 6 rows against threes 0.87x (not taken). AVX-512 keeps its direct rows.
@@ -849,7 +849,7 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
   const int64_t sstride = (k / kGroup) * kPanel, cstride = (k / per_byte(C)) * kPanel;  // a panel's, each
   if (x.size(0) >= 1 && x.size(0) <= grouped_rows(C)) {  // straight from the codes
     const int64_t m = x.size(0);
-    const bool whole = m <= direct_rows(C);  // one call a panel's rows, else groups of row_group(C)
+    const bool whole = m <= direct_rows(C);  // one call a panel's rows, else groups of rows (kGroupedOctetRows)
     const int64_t width = whole ? direct_panels(static_cast<int>(m)) : 1;
     const auto xin = x.contiguous();
     const auto rows_in = m == 1 ? xin : block_rows_of(xin);  // (one row is read in place: see direct)
