@@ -1,4 +1,8 @@
-// multi-row octet kernels, hot in L1/L2: current direct (V=2) vs decode-a-block-to-stack then fp32 rows
+// Standalone copies of gemm.cpp's multi-row octet loops (one panel, one thread; on purpose: duplicates flags them):
+// `cur` as direct_octets' R-row branch (V = 2), `blk` as block_octets (each block rebuilt into 2 KB on the stack,
+// then R rows from there); ns and cycles (at 2.6 GHz) a k and 16 columns, best of 7, the two checked for the same
+// bits. P panels (36: hot in L2; 6000: streamed from memory), IT passes over them.
+//   g++ -O3 -march=native -std=c++17 -ffp-contract=off -o rows rows.cpp && ./rows && P=6000 IT=2 ./rows
 #include <immintrin.h>
 #include <cstdint>
 #include <cstdio>

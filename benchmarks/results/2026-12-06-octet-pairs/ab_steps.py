@@ -1,7 +1,10 @@
 """Decode steps A/B: two long-lived runners (step_server.py in tree A and in tree B, each its own
 process and kernel build), alternated in blocks of N steps (A B, then B A) in one window.
 
-    python ab_steps.py TREE_A TREE_B ROWS BLOCKS N [--json PATH]
+    python ab_steps.py TREE_A TREE_B ROWS BLOCKS N [--json PATH] [--server PATH]
+
+--server: another step server (default: step_server.py here; ../2026-12-06-draft-steps/step_server.py times
+one sequence verifying a draft of ROWS - 1 tokens).
 """
 import json
 import statistics
@@ -11,7 +14,8 @@ from pathlib import Path
 
 A, B, rows, blocks, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-server = Path(__file__).resolve().parent / "step_server.py"
+server = (Path(sys.argv[sys.argv.index("--server") + 1]).resolve() if "--server" in sys.argv
+          else Path(__file__).resolve().parent / "step_server.py")
 procs = {}
 for name, tree in (("A", A), ("B", B)):
     p = subprocess.Popen([f"{tree}/.venv/bin/python", str(server)], cwd=tree, stdin=subprocess.PIPE,
