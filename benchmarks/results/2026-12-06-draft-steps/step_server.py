@@ -1,7 +1,8 @@
 """One side of ab_steps.py: loads the default model's runner from the tree in cwd (its defaults: fp32 here), then
 for each stdin line 'R N' runs N decode steps of one sequence (a 128-token prompt) that verify a draft of R - 1
 tokens (R rows a step, as a served request with its n-gram drafts; the draft is taken as rejected, so the
-context grows a token a step, started again before it passes 378) and prints the N step times in seconds."""
+context grows a token a step, started again before it passes 378) and prints the N step times in seconds.
+PROMPT (environment): another prompt length (the context then runs from it to it + 250)."""
 import os, sys, time, torch
 sys.path.insert(0, os.getcwd())
 from models.loading import load_model
@@ -9,7 +10,7 @@ from models.runner import ModelRunner, SeqInput, default_dtype
 from models import cpu_kernels
 cpu_kernels.load()
 r = ModelRunner(load_model(None), dtype=default_dtype(torch.device("cpu")), kv_budget_bytes=1 << 30)
-P = 128
+P = int(os.environ.get("PROMPT", 128))
 prompt = [100 + (j * 7) % 30000 for j in range(P)]
 table = r.kv.allocate(r.kv.pages_for(P + 320))
 state = {"n": 1 << 30}
