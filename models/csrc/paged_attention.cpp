@@ -181,11 +181,13 @@ using SplitFn = void (*)(const RowSpan*, int64_t, int64_t, const Cache<T>&, int6
 #if TERCET_VEC
 constexpr int L = vec::kLanes;
 
-template <typename T, int HINT = _MM_HINT_T0>
+template <typename T, bool L2 = false>  // into L1, or (L2) into L2
 inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
-    _mm_prefetch(bytes + off, static_cast<_mm_hint>(HINT));
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) {
+    if constexpr (L2) _mm_prefetch(bytes + off, _MM_HINT_T1);
+    else _mm_prefetch(bytes + off, _MM_HINT_T0);
+  }
 }
 // The cache slots of keys [begin, end) through the page table, counted without a division per key
 inline void slots_of(const int32_t* pages, int64_t begin, int64_t end, int64_t page_size, int64_t* slots) {
@@ -207,10 +209,10 @@ inline void stage(const T* cache, const int64_t* slots, int64_t m, const Shape& 
   }
 }
 
-// m keys' (or values') head h asked for into L1
-template <typename T, int C, int HINT = _MM_HINT_T0>
+// m keys' (or values') head h asked for into L1 (or L2)
+template <typename T, int C, bool L2 = false>
 inline void ask_for(const T* cache, const int64_t* slots, int64_t m, const Shape& s, int64_t h) {
-  for (int64_t i = 0; i < m; ++i) prefetch<T, HINT>(cache + (slots[i] * s.kv_heads + h) * C * L, C * L);
+  for (int64_t i = 0; i < m; ++i) prefetch<T, L2>(cache + (slots[i] * s.kv_heads + h) * C * L, C * L);
 }
 // Besides the next block into L1, the block this many on into L2 (the same phase, keys or values): the L1 ask
 // alone came one block, ~130 cycles of work, ahead of ~300 of memory latency. One row, 2048 keys from memory, a
@@ -281,7 +283,7 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
     if (kFar > 0) {  // into L2 further ahead, within the same phase
       const int64_t far = (t0 - lo) / L + kFar;
       if (far < blocks)
-        ask_for<T, C, _MM_HINT_T1>(values ? cache.v : cache.k, slots + far * L, std::min<int64_t>(L, hi - lo - far * L), s, h + i);
+        ask_for<T, C, true>(values ? cache.v : cache.k, slots + far * L, std::min<int64_t>(L, hi - lo - far * L), s, h + i);
     }
     const T* from = values ? cache.v : cache.k;
     if constexpr (std::is_same_v<T, float>) {  // read where they are (a copy would be the same floats)
