@@ -100,8 +100,8 @@ constexpr int64_t kGroupedOctetRows = 8, kGroupedRows = 4;
 // than panel after panel; with: even, alternated in one window on a Zen 3 EPYC)
 constexpr int64_t kOctetAhead = 4;  // blocks
 // direct's codes (and d, m) asked for this many groups of 32 k ahead, on AVX2: SmolLM2's Q8_0 head at one row, from
-// memory, 2 threads, alternated in one process (Zen 3 EPYC): 4 groups 1.07-1.11x, 2 and 8 1.08x, none 1 (the hardware
-// prefetchers alone). Not measured with AVX-512, so not asked there.
+// memory, 2 threads, against the hardware prefetchers alone, alternated in one process (Zen 3 EPYC): 1.03x and 1.12x
+// (medians of two runs); 2 and 8 groups measured no better. Not measured with AVX-512, so not asked there.
 #if defined(__AVX512F__)
 constexpr int64_t kDirectAhead = 0;
 #else
