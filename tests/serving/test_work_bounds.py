@@ -93,25 +93,35 @@ async def test_work_per_request_is_bounded_and_off_the_event_loop(nursery):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text[:300]
         assert "at most 128" in r.json()["error"]["message"]
         # /tokenize and /detokenize are behind the overload gate (2 in flight: the bound here). Two long
-        # requests hold it; a probe counts only if both still held it when its answer came (on a fast
-        # host a holder can finish first: then the probe is tried again with new holders)
+        # requests hold it; a probe counts only if both still held it when its answer came. A holder can
+        # end first (a fast host finishes it; a loaded one refuses it, its event loop late): then the
+        # probe is tried again with new holders, once the gate has drained
         long = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
         for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [28]})):
+            r = None
             for _ in range(5):
+                ended = []
+
+                async def hold():
+                    ended.append((await client.post("/generate", json=long)).status_code)
+
                 async with trio.open_nursery() as inner:
                     for _ in range(2):
-                        inner.start_soon(lambda: client.post("/generate", json=long))
+                        inner.start_soon(hold)
                     with trio.fail_after(WAIT_S):
-                        while runtime.gate.readers < 2:
+                        while runtime.gate.readers < 2 and not ended:
                             await trio.sleep(0.01)
-                    r = await answered(client, path, body)
-                    held = runtime.gate.readers >= 2
+                    if not ended:
+                        r = await answered(client, path, body)
+                    held = not ended and runtime.gate.readers >= 2
                     inner.cancel_scope.cancel()
                 with trio.fail_after(WAIT_S):
-                    while runtime.tokenizer_manager.rid_to_state or (await client.get("/server_info")).json()["running"]:
+                    while (runtime.tokenizer_manager.rid_to_state or runtime.gate.readers
+                           or (await client.get("/server_info")).json()["running"]):
                         await trio.sleep(0.02)
-                if held or r.status_code == 503:
+                if r is not None and (held or r.status_code == 503):
                     break
+            assert r is not None, (path, "no try had both holders in flight", ended)
             assert r.status_code == 503 and r.headers["retry-after"], (path, r.text)
             assert "overloaded" in r.json()["error"]["message"], r.text
         assert (await client.post("/tokenize", json={"prompt": "hi"})).status_code == 200
