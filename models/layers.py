@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import cpu_kernels, families, invariant, probes
 from .attention import AttentionPlan, KernelAttention, attend
 from .errors import ModelLoadError
-from .projections import Bf16BlockCodeLinear, Linear
+from .projections import Bf16BlockCodeLinear, Linear, UpcastPanelLinear
 from .rotary import RotaryTable
 from .split_attention import tanh_cap
 
@@ -153,6 +153,8 @@ class _Layer:
         pack = model.packed
 
         def linear(weight, bias=None):
+            if model.upcast_panels:
+                return UpcastPanelLinear(weight, bias)
             if model.codes and model.dtype == torch.bfloat16:
                 return model.bf16_code_linear(weight, bias)
             size = weight.numel() * weight.element_size()
@@ -254,6 +256,15 @@ class CausalLM:
         self.packed = (probes.packing_pays(dtype, self.device, timed=timed) and not self.upcast
                        if packed is None else packed)
         self.packed = self.packed and not self.kernel
+        # bf16 on a CPU without bf16 units: tercet's fp32 kernel over the bf16 weights' exact upcasts
+        # (projections.UpcastPanelLinear), where it builds and gives F.linear's products; unless a
+        # caller chose the projections' path
+        self.upcast_panels = (self.upcast and kernel is None and packed is None
+                              and probes.kernel_pays(torch.float32, self.device, timed=False))
+        if self.upcast:
+            log.warning("bf16 on a CPU without bf16 units (no AVX512_BF16 or AMX): each product runs in fp32 on the "
+                        "bf16 weights%s; float32 (the default on this CPU) is as fast or faster, and more precise",
+                        ", through tercet's fp32 kernel" if self.upcast_panels else "")
         # with the kernel, weights that are exactly block codes (a GGUF's Q4_1 / Q8_0, dequantized) are
         # kept so: the same products, a third of the bytes (Linear; batch 1 32.8 -> 50.4 tok/s here)
         self.codes = self.kernel and (codes is None or codes)
@@ -282,7 +293,8 @@ class CausalLM:
         if head is None and self.codes:  # tied embeddings: the head's codes in the stored embedding
             head = w.get("model.embed_tokens.weight", stored=True)
         head = self.embed if head is None else head  # (tied embeddings)
-        self.lm_head = (self.bf16_code_linear(head) if self.codes and dtype == torch.bfloat16
+        self.lm_head = (UpcastPanelLinear(head) if self.upcast_panels
+                        else self.bf16_code_linear(head) if self.codes and dtype == torch.bfloat16
                         else Linear(head, None, self.packed, kernel=self.kernel, codes=self.codes, dtype=dtype))
         self._share_code_rows()
         if invariant:

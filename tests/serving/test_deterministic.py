@@ -10,6 +10,7 @@ import httpx
 import pytest
 import trio
 
+from models.runner import cpu_has_bf16
 from serving.managers.messages import ServerInfoReq
 from serving.runtime.engine import open_engine
 
@@ -62,6 +63,10 @@ async def test_without_the_mode_logprobs_do_depend_on_the_batch_or_the_chunking(
     """The control: the same runs with the mode off differ somewhere (prefill rows attend through
     SDPA there, decode rows through the kernel, and oneDNN multiplies one row by another kernel), so
     the test above can fail."""
+    if dtype == "bfloat16" and not cpu_has_bf16():
+        pytest.skip("bf16 without bf16 units multiplies through tercet's fp32 kernel, invariant in either mode, and "
+                    "its bf16 roundings hid attention's differences here (models/test_determinism.py's control "
+                    "takes F.linear on the upcasts instead)")
     batch = prompts(12, seed=3)
     shared = [batch[0][:30] + p for p in batch[1:6]]
     info, (alone, together, chunked), (shared_alone, shared_chunked) = await runs(
