@@ -154,7 +154,7 @@ class _Layer:
 
         def linear(weight, bias=None):
             if model.upcast_panels:
-                return UpcastPanelLinear(weight, bias)
+                return UpcastPanelLinear(weight, bias, model.dtype)
             if model.codes and model.dtype == torch.bfloat16:
                 return model.bf16_code_linear(weight, bias)
             size = weight.numel() * weight.element_size()
@@ -256,15 +256,17 @@ class CausalLM:
         self.packed = (probes.packing_pays(dtype, self.device, timed=timed) and not self.upcast
                        if packed is None else packed)
         self.packed = self.packed and not self.kernel
-        # bf16 on a CPU without bf16 units: tercet's fp32 kernel over the bf16 weights' exact upcasts
-        # (projections.UpcastPanelLinear), where it builds and gives F.linear's products; unless a
-        # caller chose the projections' path
-        self.upcast_panels = (self.upcast and kernel is None and packed is None
+        # bf16 on a CPU without bf16 units (fp16 without fp16 units: torch emulates those products too):
+        # tercet's fp32 kernel over the weights' exact upcasts (projections.UpcastPanelLinear), where it
+        # builds and gives F.linear's products; unless a caller chose the projections' path
+        half = dtype == torch.float16 and self.device.type == "cpu" and not probes.cpu_has_fp16()
+        self.upcast_panels = ((self.upcast or half) and kernel is None and packed is None
                               and probes.kernel_pays(torch.float32, self.device, timed=False))
-        if self.upcast:
-            log.warning("bf16 on a CPU without bf16 units (no AVX512_BF16 or AMX): each product runs in fp32 on the "
-                        "bf16 weights%s; float32 (the default on this CPU) is as fast or faster, and more precise",
-                        ", through tercet's fp32 kernel" if self.upcast_panels else "")
+        if self.upcast or half:
+            name, units = ("bf16", "AVX512_BF16 or AMX") if self.upcast else ("fp16", "AVX512_FP16 or AMX-FP16")
+            log.warning("%s on a CPU without %s units (no %s): each product runs in fp32 on the %s weights%s; "
+                        "float32 (the default on this CPU) is as fast or faster, and more precise", name, name, units,
+                        name, ", through tercet's fp32 kernel" if self.upcast_panels else "")
         # with the kernel, weights that are exactly block codes (a GGUF's Q4_1 / Q8_0, dequantized) are
         # kept so: the same products, a third of the bytes (Linear; batch 1 32.8 -> 50.4 tok/s here)
         self.codes = self.kernel and (codes is None or codes)
@@ -293,7 +295,7 @@ class CausalLM:
         if head is None and self.codes:  # tied embeddings: the head's codes in the stored embedding
             head = w.get("model.embed_tokens.weight", stored=True)
         head = self.embed if head is None else head  # (tied embeddings)
-        self.lm_head = (UpcastPanelLinear(head) if self.upcast_panels
+        self.lm_head = (UpcastPanelLinear(head, None, dtype) if self.upcast_panels
                         else self.bf16_code_linear(head) if self.codes and dtype == torch.bfloat16
                         else Linear(head, None, self.packed, kernel=self.kernel, codes=self.codes, dtype=dtype))
         self._share_code_rows()

@@ -52,6 +52,12 @@ def packing_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576), ti
         return False
 
 
+@functools.cache
+def cpu_has_fp16() -> bool:
+    """Whether this CPU multiplies fp16 natively (AVX512_FP16 or AMX-FP16); elsewhere torch emulates it."""
+    return bool({"avx512_fp16", "amx_fp16"} & set(cpu_kernels._cpu_flags().split()))
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_pays(dtype: torch.dtype, device: torch.device, shape=(1536, 576), timed: bool = True) -> bool:
     """Whether tercet's own projection kernel for `dtype` (`Linear(kernel=True)`: fp32 panels,

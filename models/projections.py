@@ -131,16 +131,16 @@ class PanelLinear(Projection):
 
 
 class UpcastPanelLinear(PanelLinear):
-    """A bf16 projection on a CPU without bf16 units (`upcast`: fp32 products on the exact upcasts of
-    the bf16 weights and inputs, the sum rounded to bf16 once) through tercet's fp32 kernel: the
-    panels hold the bf16 weights as fp32 (exact), so one running sum per output over k in order,
-    invariant by itself, with no per-call conversion of W and no tiles. `F.linear` on the upcasts,
-    which it replaces, converted all of W each call and, for invariance, multiplied one row as a
-    tile of 32: SmolLM2 at batch 1 ran 3.5 tok/s in bf16 against 106 in fp32 on a Zen 3 EPYC."""
+    """A bf16 (or fp16) projection on a CPU without bf16 (fp16) units (`upcast`: fp32 products on the
+    exact upcasts of the weights and inputs, the sum rounded to `dtype` once) through tercet's fp32
+    kernel: the panels hold the weights as fp32 (exact), so one running sum per output over k in
+    order, invariant by itself, with no per-call conversion of W and no tiles. `F.linear` on the
+    upcasts, which it replaces, converted all of W each call and, for invariance, multiplied one row
+    as a tile of 32: SmolLM2 at batch 1 ran 3.5 tok/s in bf16 against 106 in fp32 on a Zen 3 EPYC."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight.to(torch.bfloat16).float(), None if bias is None else bias.to(torch.bfloat16).float())
-        self.dtype = torch.bfloat16
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype=torch.bfloat16) -> None:
+        super().__init__(weight.to(dtype).float(), None if bias is None else bias.to(dtype).float())
+        self.dtype = dtype
 
     def dense(self) -> torch.Tensor:
         return super().dense().to(self.dtype)

@@ -42,6 +42,7 @@ PATHS = [
     pytest.param(torch.bfloat16, "tiles", id="bf16-tiles"),
     pytest.param(torch.bfloat16, "emulated", id="bf16-emulated"),
     pytest.param(torch.bfloat16, "upcast", id="bf16-upcast-kernel"),
+    pytest.param(torch.float16, "upcast", id="fp16-upcast-kernel"),
 ]
 # what runner.model.invariant_paths names each path
 PATH_NAMES = {"kernel": "tercet's kernel", "codes": "tercet's kernel", "onednn": "oneDNN, one row padded to two",
@@ -52,10 +53,11 @@ PATH_NAMES = {"kernel": "tercet's kernel", "codes": "tercet's kernel", "onednn":
 def pin(monkeypatch):
     """pin(dtype, path, model) -> the model to run, with the runner made to take `path`."""
     def pin(dtype, path, model):
-        if path == "upcast":  # bf16 without bf16 units, through the fp32 kernel (UpcastPanelLinear)
+        if path == "upcast":  # bf16 (fp16) without bf16 (fp16) units, through the fp32 kernel (UpcastPanelLinear)
             if not cpu_kernels.packed_linear_available():
                 pytest.skip("this build has no fp32 projection kernel (no AVX2 + FMA)")
             monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: False)
+            monkeypatch.setattr(probes, "cpu_has_fp16", lambda: False)
             monkeypatch.setattr(probes, "kernel_pays", lambda dtype, *a, **k: dtype == torch.float32)
         elif path in ("kernel", "codes"):
             if dtype == torch.float32 and not cpu_kernels.packed_linear_available():
@@ -99,7 +101,7 @@ def make_runner(model, dtype, path=None, page_size=1, kv_budget_bytes=8 << 20):
         assert set(runner.model.invariant_paths) == {PATH_NAMES[path]}, runner.model.invariant_paths
         if path == "codes":
             assert all(lin.codes is not None for lin in runner.model.projections())
-        assert runner.model.upcast == (path in ("emulated", "upcast"))
+        assert runner.model.upcast == (path == "emulated" or (path == "upcast" and dtype == torch.bfloat16))
         if path == "upcast":
             assert all(isinstance(lin, UpcastPanelLinear) for lin in runner.model.projections())
     return runner

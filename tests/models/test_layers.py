@@ -146,7 +146,8 @@ def test_a_kernel_projection_gives_f_linear_products_and_its_dense_weight():
 
 
 def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
-    from models.probes import kernel_pays
+    from models.probes import cpu_has_fp16, kernel_pays
+    from models.projections import UpcastPanelLinear
 
     for dtype in (torch.float32, torch.bfloat16):  # fp32 panels; bf16 panels where the CPU has AVX512_BF16
         # the deterministic mode (the default) takes it wherever it builds, never by a timing (a busy host's
@@ -157,6 +158,39 @@ def test_the_runner_uses_the_kernel_where_it_pays(tiny_llama):
         # (called as the runner calls it: the cached answer it got, not a second timing a busy host may flip)
         assert off.kernel == kernel_pays(dtype, CPU, timed=True) and not (off.kernel and off.packed)
     assert not ModelRunner(tiny_llama, dtype=torch.float16).model.kernel
+    # bf16 / fp16 without their units: the fp32 kernel over the weights' upcasts (UpcastPanelLinear)
+    for dtype, has_units in ((torch.bfloat16, cpu_has_bf16()), (torch.float16, cpu_has_fp16())):
+        model = ModelRunner(tiny_llama, dtype=dtype).model
+        assert model.upcast_panels == (not has_units and kernel_pays(torch.float32, CPU, timed=False))
+        if model.upcast_panels:
+            assert all(isinstance(lin, UpcastPanelLinear) for lin in model.projections())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_upcast_projection_gives_the_upcasts_products_at_every_row_count(dtype):
+    """bf16 / fp16 on a CPU without their units (UpcastPanelLinear): fp32 products of the exact upcasts,
+    rounded to the dtype once. Each row has the same bits alone and in any batch, within one rounding of
+    F.linear on the upcasts; tiles and the upcast flag change nothing; dense() is the weight."""
+    from models import cpu_kernels
+    from models.projections import UpcastPanelLinear
+
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("no AVX2 + FMA kernel on this machine")
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 80, generator=generator).to(dtype)  # a partial panel
+    bias = torch.randn(40, generator=generator).to(dtype)
+    x = torch.randn(70, 80, generator=generator).to(dtype)
+    for b in (None, bias):
+        lin = UpcastPanelLinear(weight, b, dtype)
+        assert lin.invariant_by_itself and torch.equal(lin.dense(), weight)
+        whole = lin(x, upcast=True, tile=32)
+        assert whole.dtype == dtype
+        reference = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(whole.float(), reference.to(dtype).float(), rtol=2 ** -7, atol=1e-2)
+        for rows in (1, 2, 7, 33):
+            assert torch.equal(torch.cat([lin(x[i : i + rows]) for i in range(0, 70 - rows + 1, rows)]),
+                               whole[: (70 // rows) * rows])
+        assert torch.equal(lin.product(x, upcast=True).to(dtype), lin(x) if b is None else lin.product(x))
 
 
 def test_a_bf16_kernel_projection_gives_f_linear_products_within_rounding_and_its_dense_weight():
