@@ -147,10 +147,10 @@ class UpcastPanelLinear(PanelLinear):
 
     def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
         y = cpu_kernels.packed_linear(x.float(), self.panels, self.out_features, None)
-        return y if upcast else y.to(x.dtype)
+        return y if upcast else y.to(self.dtype)
 
     def _product(self, x, bias):
-        return cpu_kernels.packed_linear(x.float(), self.panels, self.out_features, bias).to(x.dtype)
+        return cpu_kernels.packed_linear(x.float(), self.panels, self.out_features, bias).to(self.dtype)
 
     def __call__(self, x: torch.Tensor, upcast: bool = False, tile: int | None = None) -> torch.Tensor:
         return self._product(x, self.bias)  # (every row alike: no tiles, no padding, no other path)
