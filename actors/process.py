@@ -22,7 +22,14 @@ other:
   supervisor's grace period runs out, SIGTERM, then SIGKILL after
   ``kill_after`` seconds;
 - the child exits by itself when its parent dies (it waits on the parent's
-  pidfd), so a crashed server leaves no orphans.
+  pidfd), so a crashed server leaves no orphans;
+- a ``Standby`` (``standby=``, shared by the starts of one child) keeps a
+  spare process for the next start: spawned once a start is ready, it
+  imports what the child will need (``preload``) on a thread at the lowest
+  CPU priority and waits for its spec, so a restart after a crash skips the
+  interpreter's start and those imports (seconds, for torch). Its owner
+  closes it when no start will come (a supervisor: ``ChildSpec.close``); a
+  spare whose parent dies exits (its stdin closes).
 
 The spec travels as JSON on stdin; nothing is pickled. It carries the
 options of the child's hub (``hub=``, a ``transports.HubOptions``: CURVE
@@ -40,7 +47,10 @@ import signal
 import site
 import subprocess
 import sys
+import threading
 import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +61,7 @@ from transports import HubOptions, open_hub
 
 from ._errors import ChildStartError, unwrap
 
-__all__ = ["ProcessChild", "ProcessExited", "ProcessStartFailed"]
+__all__ = ["ProcessChild", "ProcessExited", "ProcessStartFailed", "Standby"]
 
 log = logging.getLogger("actors.process")
 
@@ -120,7 +130,8 @@ class ProcessChild:
     def __init__(self, target: str, args: dict[str, Any] | None = None, *,
                  name: str | None = None, kill_after: float = 5.0,
                  ready_timeout: float = 120.0, load_timeout: float = 1800.0, env: dict[str, str] | None = None,
-                 pass_fds: tuple[int, ...] = (), hub: HubOptions | None = None) -> None:
+                 pass_fds: tuple[int, ...] = (), hub: HubOptions | None = None,
+                 standby: Standby | None = None) -> None:
         self.target = target
         self.args = args or {}
         self.name = name or target
@@ -130,6 +141,7 @@ class ProcessChild:
         self.env = env
         self.pass_fds = pass_fds  # inherited by the child under the same numbers (e.g. a listening socket)
         self.hub = hub  # the options of the child's hub (None: the defaults)
+        self.standby = standby  # a spare process for this start and the next (shared by the starts)
         self.process: trio.Process | None = None
 
     @property
@@ -148,23 +160,17 @@ class ProcessChild:
             pass
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        ready_read, ready_write = os.pipe()
         spec = _Spec(self.target, self.args, os.getpid(), self.name, logging.getLogger().level, self.hub)
         env = dict(os.environ if self.env is None else self.env)
         if path := import_path(env.pop("PYTHONPATH", None)):
             env["PYTHONPATH"] = path
-        try:
-            self.process = process = await trio.lowlevel.open_process(
-                # -P: the working directory is not put first on sys.path (a module planted in a
-                # shared directory the server was started from is never imported)
-                [sys.executable, "-P", "-m", "actors.process", str(ready_write)],
-                stdin=subprocess.PIPE, pass_fds=(ready_write, *self.pass_fds), env=env,
-            )
-        except BaseException:
-            os.close(ready_read)  # (no child: nobody will read it)
-            raise
-        finally:
-            os.close(ready_write)
+        spare = None if self.standby is None else await self.standby.take(env, self.pass_fds)
+        if spare is not None:
+            log.info("process %s starts in its spare process (pid %d)", self.name, spare.process.pid)
+            process, ready_read = spare.process, spare.ready
+        else:
+            process, ready_read = await _spawn((), env, self.pass_fds)
+        self.process = process
         try:
             assert process.stdin is not None
             async with trio.lowlevel.FdStream(ready_read) as ready:  # closes ready_read however this ends
@@ -186,12 +192,103 @@ class ProcessChild:
                     ) from failure
             log.info("process %s (pid %d) is ready", self.name, process.pid)
             task_status.started(self)
+            if self.standby is not None:
+                await self.standby.fill(env, self.pass_fds)
             returncode = await process.wait()
             if returncode != 0:
                 raise ProcessExited(self.name, returncode)
         finally:
             with trio.CancelScope(shield=True):
                 await _terminate(process, self.kill_after, self.name)
+
+
+async def _spawn(preload: Sequence[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> tuple[trio.Process, int]:
+    """A child process that reads its spec on stdin (after importing ``preload``), and the read
+    end of its ready pipe."""
+    ready_read, ready_write = os.pipe()
+    try:
+        process = await trio.lowlevel.open_process(
+            # -P: the working directory is not put first on sys.path (a module planted in a
+            # shared directory the server was started from is never imported)
+            [sys.executable, "-P", "-m", "actors.process", str(ready_write), *preload],
+            stdin=subprocess.PIPE, pass_fds=(ready_write, *pass_fds), env=env,
+        )
+    except BaseException:
+        os.close(ready_read)  # (no child: nobody will read it)
+        raise
+    finally:
+        os.close(ready_write)
+    return process, ready_read
+
+
+@dataclass
+class _Spare:
+    process: trio.Process
+    ready: int  # the read end of its ready pipe
+    env: dict[str, str]
+    pass_fds: tuple[int, ...]
+
+
+class Standby:
+    """One spare process, kept for the next start of a ProcessChild (``ProcessChild(...,
+    standby=)``): each start that gets ready spawns the next spare, which imports ``preload``
+    (module names; ``module:function`` also calls the function) on a thread at the lowest CPU
+    priority (it takes only idle time from what runs), then waits for its spec. A start takes
+    the spare when it was spawned with the same environment and inherited descriptors.
+
+    The spare holds what it imported (hundreds of MB with torch) and costs nothing else.
+    ``aclose`` ends it; a closed Standby spawns again at the next start that gets ready."""
+
+    def __init__(self, preload: Sequence[str] = ()) -> None:
+        self.preload = tuple(preload)
+        self._spare: _Spare | None = None
+        self.spawned = 0  # spares spawned
+        self.taken = 0  # starts that ran in a spare
+
+    @property
+    def pid(self) -> int | None:
+        """The spare's process id (None: no spare now)."""
+        return None if self._spare is None else self._spare.process.pid
+
+    async def fill(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> None:
+        """Spawn a spare unless there is one (it gets warm in the background). A spare that cannot
+        be spawned is logged and skipped: the next start spawns its own process, as without one."""
+        if self._spare is not None:
+            return
+        try:
+            process, ready = await _spawn(self.preload, env, pass_fds)
+        except OSError as exc:
+            log.warning("no spare process (%s): the next start spawns its own", exc)
+            return
+        self._spare = _Spare(process, ready, env, pass_fds)
+        self.spawned += 1
+
+    async def take(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> _Spare | None:
+        """The spare, for a start with ``env`` and ``pass_fds`` (None: none, or it exited, or it was
+        spawned for other ones: then it is ended)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        if spare.process.poll() is None and spare.env == env and spare.pass_fds == pass_fds:
+            self.taken += 1
+            return spare
+        await _end_spare(spare)
+        return None
+
+    async def aclose(self) -> None:
+        """End the spare, if any (waits for it to exit)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            with trio.CancelScope(shield=True):
+                await _end_spare(spare)
+
+
+async def _end_spare(spare: _Spare) -> None:
+    """A spare ends when its stdin closes (without its spec it exits 0); SIGKILL if it does not soon."""
+    os.close(spare.ready)
+    if spare.process.stdin is not None:
+        await spare.process.stdin.aclose()
+    await _terminate_after(spare.process, 5.0, "spare")
 
 
 class _LineReader:
@@ -256,10 +353,16 @@ async def _terminate(process: trio.Process, kill_after: float, name: str) -> Non
     if process.returncode is not None:
         return
     process.terminate()
+    await _terminate_after(process, kill_after, name)
+
+
+async def _terminate_after(process: trio.Process, kill_after: float, name: str) -> None:
+    """Wait ``kill_after`` seconds for ``process`` (asked to end) to exit, then SIGKILL it."""
     with trio.move_on_after(kill_after):
         await process.wait()
         return
-    log.warning("process %s (pid %d) ignored SIGTERM for %g s; killing it", name, process.pid, kill_after)
+    log.warning("process %s (pid %d) did not exit within %g s of being asked; killing it", name, process.pid,
+                kill_after)
     process.kill()
     await process.wait()
 
@@ -373,9 +476,39 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+def _preload(items: Sequence[str]) -> threading.Thread:
+    """Import ``items`` (``module:function`` also calls it) on a thread at the lowest CPU priority
+    (a Linux thread has its own nice value; the threads the child starts later do not inherit it).
+    An item that fails is skipped: the start imports it again and says what fails."""
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        for item in items:
+            module, _, function = item.partition(":")
+            try:
+                loaded = importlib.import_module(module)
+                if function:
+                    getattr(loaded, function)()
+            except Exception:  # noqa: BLE001, S112 - see above
+                continue
+
+    thread = threading.Thread(target=run, name="preload", daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> None:
     ready = _ReadyPipe(int(sys.argv[1]))
-    spec = msgspec.json.decode(_read_line(0), type=_Spec)
+    preloading = _preload(sys.argv[2:]) if len(sys.argv) > 2 else None
+    line = _read_line(0)
+    if not line.endswith(b"\n"):  # a spare that was not used: its parent closed stdin (or died)
+        os._exit(0)
+    spec = msgspec.json.decode(line, type=_Spec)
+    if preloading is not None:
+        preloading.join()
     logging.basicConfig(level=spec.log_level or logging.WARNING,
                         format=f"%(asctime)s {spec.name}[%(process)d] %(levelname)s %(name)s: %(message)s")
     try:

@@ -16,7 +16,7 @@ stops every child and fails upward with RestartIntensityExceeded (never with
 ``max_restarts=None``: children that only wait for something to come back; a crash
 that ``forgive(child, reason)`` calls provoked on purpose does not count: a
 test run meant to crash, say). Children stop in reverse order: asked first, then cancelled when their grace period
-runs out.
+runs out; then each spec's ``close`` runs (what its starts shared ends with the supervisor).
 
 A child is anything with ``async run(*, task_status)`` (report ready with
 ``task_status.started()``, return for a normal exit, raise for a crash) and
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -76,6 +76,9 @@ class ChildSpec:
     shutdown: float = 5.0  # grace period between asking and cancelling
     with_previous: bool = False  # starts together with the child before it, not after it
     wait: bool = True  # the supervisor waits for it to report ready (False: it gets ready in the background)
+    # what the supervisor awaits once it ends, after its children stopped: what the starts share
+    # ends with it (a ProcessChild's spare process: ``Standby.aclose``)
+    close: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,9 @@ class Supervisor:
             finally:
                 with trio.CancelScope(shield=True):
                     await self._stop_children([*self._running.values(), *self._starting.values()])
+                    for spec in self.specs:
+                        if spec.close is not None:
+                            await spec.close()
                 nursery.cancel_scope.cancel()
         if failure is not None:
             raise failure

@@ -243,6 +243,23 @@ def tiny_model(config=None, seed: int = 0) -> LoadedModel:
     return LoadedModel(config, state_dict, embedded, _eos_ids(None, embedded) | {2}, "tiny")
 
 
+def preload_tokenizer() -> None:
+    """Import what loading a tokenizer needs (transformers and what it pulls in: seconds, once a
+    process), ahead of the load: what a spare process does before it is given its work
+    (``actors.process.Standby``)."""
+    _offline()
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+
+def preload() -> None:
+    """``preload_tokenizer``, and what loading a model needs: transformers' config and model classes
+    and the modules behind them (torch.distributed.tensor, sympy, torch._dynamo: ~2 s on 2 cores)."""
+    preload_tokenizer()
+    import transformers.activations  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+
 def load_tokenizer(path: str | os.PathLike | None = None):
     """Only the tokenizer of a model (default: the embedded SmolLM2, from the cache)."""
     from transformers import AutoTokenizer

@@ -14,6 +14,14 @@ def free_tcp_port() -> int:
         return probe.getsockname()[1]
 
 
+def thread_nice_values(pid: int) -> list[int]:
+    """The nice value of each thread of process ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+    values = []
+    for tid in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        values.append(int((tid / "stat").read_text().rpartition(")")[2].split()[16]))
+    return values
+
+
 @pytest.fixture
 def tcp_address():
     return lambda: f"tcp://127.0.0.1:{free_tcp_port()}"

@@ -4,14 +4,14 @@ that run them: shared by the server (``launch``), a replica started on its own
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import torch
 
 from actors import ActorChild, Backoff, ChildSpec, Supervisor, SupervisorEvent
-from actors.process import ProcessChild
+from actors.process import ProcessChild, Standby
 
 from ..managers.detokenizer import DetokenizerManager
 from ..managers.scheduler import Scheduler, SchedulerConfig
@@ -64,27 +64,43 @@ def core_specs(topology: Topology, addresses: dict[str, str], workers: list[str]
     def config() -> SchedulerConfig:
         return msgspec.structs.replace(base, model=weights())
 
+    def standby(target: str, preload: str) -> Standby | None:
+        """A spare process for the restarts of ``target``'s process (``supervision.standby``): its
+        module and ``models.loading``'s ``preload`` imported, seconds of a restart done ahead."""
+        if not topology.supervision.standby:
+            return None
+        return Standby([target.partition(":")[0], f"models.loading:{preload}"])
+
+    scheduler_spare = detokenizer_spare = None
     if sched.process in ("child", "remote"):
+        target = sched.target or "serving.managers.scheduler:scheduler_child"
+        scheduler_spare = standby(target, "preload")
         scheduler = lambda: ProcessChild(  # noqa: E731
-            sched.target or "serving.managers.scheduler:scheduler_child",
-            {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
+            target, {"address": binds["scheduler"], "config": msgspec.to_builtins(config()), **sched.args},
             name="scheduler", kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout,
-            load_timeout=topology.watchdogs.load_timeout)
+            load_timeout=topology.watchdogs.load_timeout, standby=scheduler_spare)
     else:
         scheduler = lambda: ActorChild(lambda: Scheduler(config()), addresses["scheduler"], hub)  # noqa: E731
     if detok.process in ("child", "remote"):
         args = {"address": binds["detokenizer"], "tokenizer": tokenizer_source(topology.model),
                 "workers": workers, "scheduler": addresses["scheduler"], **detok.args}
+        detok_target = detok.target or "serving.managers.detokenizer:detokenizer_child"
+        detokenizer_spare = standby(detok_target, "preload_tokenizer")
         detokenizer = lambda: ProcessChild(  # noqa: E731
-            detok.target or "serving.managers.detokenizer:detokenizer_child", args, name="detokenizer",
-            kill_after=grace, hub=hub.options, ready_timeout=topology.watchdogs.start_timeout,
-            load_timeout=topology.watchdogs.load_timeout)
+            detok_target, args, name="detokenizer", kill_after=grace, hub=hub.options,
+            ready_timeout=topology.watchdogs.start_timeout, load_timeout=topology.watchdogs.load_timeout,
+            standby=detokenizer_spare)
     else:
         detokenizer = lambda: ActorChild(  # noqa: E731
             lambda: DetokenizerManager(tokenizer, workers, addresses["scheduler"]), addresses["detokenizer"], hub)
     together = topology.supervision.start == "together"  # they need nothing of each other to start
-    return [ChildSpec("scheduler", scheduler, shutdown=grace),
-            ChildSpec("detokenizer", detokenizer, shutdown=grace, with_previous=together)]
+    return [ChildSpec("scheduler", scheduler, shutdown=grace, close=_closer(scheduler_spare)),
+            ChildSpec("detokenizer", detokenizer, shutdown=grace, with_previous=together,
+                      close=_closer(detokenizer_spare))]
+
+
+def _closer(spare: Standby | None) -> Callable[[], Awaitable[None]] | None:
+    return None if spare is None else spare.aclose
 
 
 def make_supervisor(topology: Topology, specs: list[ChildSpec],

@@ -77,3 +77,12 @@ class Loader(Actor):
 
 def loader(hub, address: str, reply_to: str, load_s: float | None = None):
     return ActorChild(lambda: Loader(reply_to, load_s), address, hub)
+
+
+def say_preloaded() -> None:
+    """A spare's preload: writes "<pid> <nice of this thread>" to the descriptor in PRELOAD_FD."""
+    import os
+    import threading
+
+    nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    os.write(int(os.environ["PRELOAD_FD"]), f"{os.getpid()} {nice}\n".encode())

@@ -12,11 +12,11 @@ import zmq
 import zmq.auth
 
 from actors import ChildSpec, ChildStartError, RestartIntensityExceeded, Strategy
-from actors.process import ProcessChild, ProcessExited, ProcessStartFailed
+from actors.process import ProcessChild, ProcessExited, ProcessStartFailed, Standby
 from actors.testing import open_harness
 from transports import CurveConfig, Encoder, HubOptions
 
-from ..conftest import free_tcp_port
+from ..conftest import free_tcp_port, thread_nice_values
 from ..transports.monitors import REFUSED_KEY, events_of
 from .messages import Ping, Pong
 
@@ -264,3 +264,59 @@ async def test_a_process_that_cannot_be_spawned_leaves_no_descriptor_open(monkey
         with pytest.raises(OSError, match="no processes left"):
             await ProcessChild("tests.actors.processes:echo", {}, name="x").run()
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_a_restart_after_a_crash_runs_in_the_spare_that_preloaded_at_the_lowest_priority(ipc):
+    read, write = os.pipe()
+    standby = Standby(["tests.actors.processes:say_preloaded"])
+    env = {**os.environ, "PRELOAD_FD": str(write)}
+    spec = ChildSpec("a", lambda: ProcessChild("tests.actors.processes:echo", {"address": ipc("a"), "reply_to": ipc("out")},
+                                                name="a", env=env, pass_fds=(write,), standby=standby),
+                     close=standby.aclose)
+    async with trio.lowlevel.FdStream(read) as preloads:
+        lines = [b""]
+
+        async def preloaded() -> tuple[int, int]:
+            with trio.fail_after(30):
+                while not lines[0].count(b"\n"):
+                    lines[0] += await preloads.receive_some()
+            line, _, lines[0] = lines[0].partition(b"\n")
+            pid, nice = map(int, line.split())
+            return pid, nice
+
+        async with open_harness() as h:
+            out = await h.probe(ipc("out"), Pong)
+            sup = await h.start_supervisor("sup", [spec])
+            first = sup.child("a").pid
+            spare, nice = await preloaded()  # spawned once the first start was ready; it preloaded
+            assert spare != first and spare == standby.pid and nice == 19
+            os.kill(first, signal.SIGKILL)
+            await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
+            assert sup.child("a").pid == spare and standby.taken == 1  # the restart ran in the spare
+            assert set(thread_nice_values(spare)) == {0}  # and nothing of it runs at the spare's priority
+            await h.send(ipc("a"), Ping(1))
+            await wait_pong(out, "echo", 1)
+            second, _ = await preloaded()  # the next spare
+            assert second not in (first, spare) and standby.pid == second and standby.spawned == 2
+            pidfd = os.pidfd_open(second)
+        try:  # the supervisor ended: so did the spare (its ChildSpec's close)
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(pidfd)
+            assert standby.pid is None
+        finally:
+            os.close(pidfd)
+            os.close(write)
+
+
+async def test_a_spare_spawned_for_another_environment_is_ended_not_used():
+    standby = Standby()
+    env = dict(os.environ)
+    await standby.fill(env, ())
+    pidfd = os.pidfd_open(standby.pid)
+    try:
+        assert await standby.take({**env, "OTHER": "1"}, ()) is None and standby.pid is None
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(pidfd)  # (ended and reaped)
+        assert standby.taken == 0
+    finally:
+        os.close(pidfd)

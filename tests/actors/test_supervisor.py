@@ -1,5 +1,7 @@
 """Supervision: start order, strategies, restart types, intensity, shutdown."""
 
+import dataclasses
+
 import pytest
 import trio
 import trio.testing
@@ -338,3 +340,29 @@ async def test_a_supervisor_without_a_restart_limit_never_gives_up(autojump_cloc
             await h.send("inproc://b", Boom())
             await h.wait_event(lambda e, n=n: h.count("started", "b") == n + 2)
         assert not [e for e in h.events if e.kind in ("escalated", "failed")]
+
+
+@pytest.mark.parametrize("ending", ["stopped", "escalated"])
+async def test_each_specs_close_runs_once_when_the_supervisor_ends_after_its_children(autojump_clock, ending):
+    log = []
+
+    def closer(name):
+        async def close():
+            await trio.lowlevel.checkpoint()
+            log.append(("close", name))
+        return close
+
+    async with open_harness() as h:
+        specs = [dataclasses.replace(spec, close=closer(spec.name)) for spec in trio_of(h, log)]
+        sup = await h.start_supervisor("sup", specs, max_restarts=0 if ending == "escalated" else 3)
+        await h.send("inproc://b", Boom())
+        if ending == "escalated":
+            await h.wait_event(lambda e: e.kind == "failed")
+        else:
+            await h.wait_event(lambda e: h.count("started", "b") == 2)
+            assert not [entry for entry in log if entry[0] == "close"]  # a restart closes nothing
+            await sup.stop()
+            await h.wait_event(lambda e: h.count("stopped", "a") == 1)
+    closes = [i for i, (kind, _) in enumerate(log) if kind == "close"]
+    assert [log[i] for i in closes] == [("close", "a"), ("close", "b"), ("close", "c")]
+    assert min(closes) > max(i for i, (kind, _) in enumerate(log) if kind == "stop")  # after the children

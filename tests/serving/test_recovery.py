@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from ..conftest import free_tcp_port
+from ..conftest import free_tcp_port, thread_nice_values
 from .test_http import sse_events, start_server
 
 pytestmark = pytest.mark.slow  # kills and restarts real child processes
@@ -465,6 +465,7 @@ async def test_smollm2_requests_survive_a_scheduler_kill(nursery):
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         fault_free = {}
         await run_all(client, bodies, True, fault_free)
+        spare = app.state.server.runtime.supervisor.child("scheduler").standby.pid
         texts = {}
         async with trio.open_nursery() as inner:
             inner.start_soon(run_all, client, bodies, True, texts)
@@ -473,6 +474,8 @@ async def test_smollm2_requests_survive_a_scheduler_kill(nursery):
             os.kill(scheduler_pid(app), signal.SIGKILL)
         info = (await client.get("/server_info")).json()
     assert info["restarts"]["scheduler"] == 1
+    # the restart ran in the spare process (supervision.standby), none of its threads at the spare's priority
+    assert spare is not None and scheduler_pid(app) == spare and set(thread_nice_values(spare)) == {0}
     assert texts == fault_free
     assert all(len(ids) == 40 for _, ids in texts.values())
     assert_drained(info)
