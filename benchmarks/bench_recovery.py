@@ -11,6 +11,7 @@ kill -9s the scheduler (pid from ``/server_info``) K times, at 1/(K+1),
         [--output-len 256] [--kills 1] [--json out.json]
     python -m benchmarks.bench_recovery --smoke   # tiny model, float32
     python -m benchmarks.bench_recovery --dtype bfloat16 --deterministic both   # identity, mode off and on (on: the default)
+    python -m benchmarks.bench_recovery --standby both --rounds 2   # restarts without and with a spare, alternated
 
 Figures (times are this process's ``perf_counter``):
 
@@ -28,6 +29,10 @@ Figures (times are this process's ``perf_counter``):
 - resume_overhead_s: recovery_s - restart_s, what resuming adds once the
   new scheduler is ready (resubmit, prefill of prompt + output so far,
   detokenize, deliver).
+- standby: whether the server kept a spare scheduler process
+  (``supervision.standby``, the default: a restart runs in it, torch and
+  transformers already imported). ``--standby both`` runs without and with,
+  alternated ``--rounds`` times, and prints recovery_s with over without.
 - max_gap_s: the longest time between two token-carrying events of one
   request, over all requests (time to first token not included).
 - completed / failed: a request completes with HTTP 200, no error event,
@@ -228,6 +233,7 @@ def write_config(args, tmp: Path) -> Path:
     data["supervision"]["max_restarts"] = max(data["supervision"]["max_restarts"], args.kills + 1)
     data["supervision"]["quarantine_after"] = args.kills + 1  # kills from outside are no poison
     data["scheduler"]["enable_deterministic_inference"] = args.deterministic_now
+    data["supervision"]["standby"] = args.standby_now
     # one token a step: a kill must land while the scheduler still has work (with n-gram drafts a tiny
     # model's streams can finish before the client has read half of them: nothing left to resume)
     data["scheduler"]["speculative"] = "none"
@@ -248,7 +254,7 @@ async def benchmark(args) -> dict:
         topology = load_topology(config)
         report = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": topology.model.dtype,
                   "requests": args.requests, "output_len": args.output_len, "kills": args.kills,
-                  "deterministic": args.deterministic_now, "replicas": args.replicas}
+                  "deterministic": args.deterministic_now, "standby": args.standby_now, "replicas": args.replicas}
         # (the replica-kill mode's target is the restart it need not wait for, not the model load)
         report["model_load_s"] = await time_scheduler_start(topology) if args.replicas == 1 else None
         log = (tmp / "server.log").open("wb")
@@ -365,7 +371,8 @@ def print_table(r: dict) -> None:
     def s(value, unit=" s"):
         return "-" if value is None else f"{value:.3f}{unit}"
 
-    print(f"model {r['model']} ({r['dtype']}{', deterministic inference' if r['deterministic'] else ''}), "
+    print(f"model {r['model']} ({r['dtype']}{', deterministic inference' if r['deterministic'] else ''}"
+          f"{', a spare scheduler process' if r['standby'] else ', no spare process'}), "
           f"{r['requests']} streaming requests x {r['output_len']} tokens, {r['kills']} kill(s) -9 of "
           + ("the scheduler" if r["replicas"] == 1 else f"replica 1's scheduler of {r['replicas']} replicas"))
     if r["replicas"] > 1:
@@ -420,10 +427,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deterministic", choices=["off", "on", "both"], default="on",
                    help="the server's deterministic inference (on by default; off: "
                         "--disable-deterministic-inference); both: one run each, identity compared")
+    p.add_argument("--standby", choices=["off", "on", "both"], default="on",
+                   help="supervision.standby: a spare scheduler process for restarts (on: the default); both: "
+                        "a run without and one with, alternated --rounds times")
+    p.add_argument("--rounds", type=int, default=1, help="with --standby both: off/on pairs (default 1)")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: data-parallel replicas, and each kill is of replica 1 (the replica-kill mode)")
     p.add_argument("--smoke", action="store_true", help="tiny model in float32, 4 requests x 128 tokens")
     args = p.parse_args(argv)
+    if args.standby == "both" and args.deterministic == "both":
+        p.error("--standby both and --deterministic both: pick one to compare")
     if args.smoke:
         args.model, args.dtype = args.model or "tiny", args.dtype or "float32"
     args.requests = args.requests or (4 if args.smoke else 16)
@@ -437,15 +450,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    runs = [(d, args.standby) for d in (["off", "on"] if args.deterministic == "both" else [args.deterministic])]
+    if args.standby == "both":
+        runs = [(args.deterministic, s) for _ in range(args.rounds) for s in ("off", "on")]
     reports = {}
-    for mode in (["off", "on"] if args.deterministic == "both" else [args.deterministic]):
-        args.deterministic_now = mode == "on"
-        report = reports[mode] = trio.run(benchmark, args)
+    for i, (deterministic, standby) in enumerate(runs):
+        args.deterministic_now, args.standby_now = deterministic == "on", standby == "on"
+        key = (f"standby {standby}" + (f" {i // 2 + 1}" if args.rounds > 1 else "") if args.standby == "both"
+               else deterministic)
+        report = reports[key] = trio.run(benchmark, args)
         report.update(judge(report))
         print_table(report)
-    if len(reports) > 1:
+    if args.deterministic == "both":
         print("identical to the fault-free run: " + ", ".join(
             f"deterministic {mode} {r['identical_count']}/{r['requests']}" for mode, r in reports.items()))
+    if args.standby == "both":
+        pairs = list(zip(list(reports.values())[::2], list(reports.values())[1::2]))
+        for n, (off, on) in enumerate(pairs, 1):
+            ratio = (None if None in (off["recovery_s"], on["recovery_s"]) else on["recovery_s"] / off["recovery_s"])
+            print(f"round {n}: recovery without a spare {off['recovery_s'] or 0:.3f} s, with {on['recovery_s'] or 0:.3f}"
+                  f" s ({'-' if ratio is None else f'{ratio:.2f}x'}); server restart {off['restart_s'] or 0:.3f} -> "
+                  f"{on['restart_s'] or 0:.3f} s")
     if args.json:
         out = reports if len(reports) > 1 else next(iter(reports.values()))
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -22,6 +22,12 @@ def thread_nice_values(pid: int) -> list[int]:
     return values
 
 
+def child_pids(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (a server's children: its actors' processes and their spares)."""
+    return {int(child) for task in pathlib.Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()}
+
+
 @pytest.fixture
 def tcp_address():
     return lambda: f"tcp://127.0.0.1:{free_tcp_port()}"

@@ -2,6 +2,8 @@
 float32), its scheduler killed -9 under load; every request completes with
 the fault-free text."""
 
+import json
+
 import pytest
 
 from .conftest import run_benchmark
@@ -43,3 +45,29 @@ def test_bench_recovery_replica_kill_smoke(tmp_path):
     assert report["failed"] == 0 and report["completed"] == 4 and report["identical_to_fault_free"] is True
     assert report["migrated"] > 0 and report["restarts"] == 1
     assert 0 < report["migration_s"] < report["restart_s"] and report["target_met"] is True
+
+
+def test_standby_both_alternates_the_runs_and_compares_each_pair(monkeypatch, tmp_path, capsys):
+    """--standby both --rounds 2: off, on, off, on (each a real run in the smoke above: the default is on,
+    off is one YAML field); here only the alternation and the ratio of each pair are checked, on reports
+    made up for them."""
+    from benchmarks import bench_recovery
+
+    seen = []
+
+    async def made_up(args):
+        seen.append((args.standby_now, args.deterministic_now))
+        recovery = 1.0 if args.standby_now else 4.0
+        return {"model": "m", "dtype": "float32", "requests": 1, "output_len": 1, "kills": 1, "replicas": 1,
+                "deterministic": True, "standby": args.standby_now, "model_load_s": 5.0, "recovery_s": recovery,
+                "restart_s": recovery - 0.5, "server_start_s": 9.0, "max_gap_s": recovery, "completed": 1,
+                "failed": 0, "errors": [], "identical_count": 1, "identical_to_fault_free": True, "per_kill": []}
+
+    monkeypatch.setattr(bench_recovery, "benchmark", made_up)
+    assert bench_recovery.main(["--standby", "both", "--rounds", "2", "--json", str(tmp_path / "r.json")]) == 0
+    assert seen == [(False, True), (True, True), (False, True), (True, True)]
+    out = capsys.readouterr().out
+    assert out.count("recovery without a spare 4.000 s, with 1.000 s (0.25x); server restart 3.500 -> 0.500 s") == 2
+    assert "a spare scheduler process" in out and "no spare process" in out
+    reports = json.loads((tmp_path / "r.json").read_text())
+    assert list(reports) == ["standby off 1", "standby on 1", "standby off 2", "standby on 2"]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from ..conftest import free_tcp_port
+from ..conftest import child_pids, free_tcp_port
 
 pytestmark = pytest.mark.slow  # starts `tercet serve` itself
 
@@ -62,6 +62,11 @@ async def test_it_says_what_it_loads_and_when_it_is_ready_then_stops_on_sigterm(
             assert (await client.get("/health")).status_code == 200
             pids = (await client.get("/server_info")).json()["pids"]
             assert set(pids) == {"scheduler", "detokenizer"}
+            # the actors' processes and, once each is ready, its spare (supervision.standby)
+            with trio.fail_after(30):
+                while len(children := child_pids(server.pid)) < 4:
+                    await trio.sleep(0.05)
+            assert set(pids.values()) < children
             flowing = trio.Semaphore(0)
 
             async def long_request(i, stream):
@@ -95,7 +100,7 @@ async def test_it_says_what_it_loads_and_when_it_is_ready_then_stops_on_sigterm(
             else:
                 assert status == 503 and json.loads(text)["error"]["message"] == "the server is shutting down"
         assert len(results) == 3
-        for pid in pids.values():  # no orphans
+        for pid in children:  # no orphans: the spares ended with the server
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from ..conftest import free_tcp_port, thread_nice_values
+from ..conftest import child_pids, free_tcp_port, thread_nice_values
 from .test_http import sse_events, start_server
 
 pytestmark = pytest.mark.slow  # kills and restarts real child processes
@@ -422,7 +422,7 @@ async def test_past_the_restart_intensity_requests_fail_fast_and_the_server_exit
                         while (await client.get("/health")).status_code != 200:
                             await trio.sleep(0.1)
                     pids = (await client.get("/server_info")).json()["pids"]
-                    children.update(pids.values())
+                    children.update(pids.values(), child_pids(server.pid))  # (and the spares)
                     os.kill(pids["scheduler"], signal.SIGKILL)
                     failed_at = trio.current_time()
                     with trio.fail_after(10):  # the server has seen the death (before /health can be 200 again)
