@@ -26,10 +26,12 @@ other:
 - a ``Standby`` (``standby=``, shared by the starts of one child) keeps a
   spare process for the next start: spawned once a start is ready, it
   imports what the child will need (``preload``) on a thread at the lowest
-  CPU priority and waits for its spec, so a restart after a crash skips the
-  interpreter's start and those imports (seconds, for torch). Its owner
-  closes it when no start will come (a supervisor: ``ChildSpec.close``); a
-  spare whose parent dies exits (its stdin closes).
+  CPU priority, says ``warm`` and waits for its spec, so a restart after a
+  crash skips the interpreter's start and those imports (seconds, for
+  torch). A spare not warm yet is not used (it would finish its imports at
+  the lowest priority); the start spawns a fresh process, as without one.
+  Its owner closes it when no start will come (a supervisor:
+  ``ChildSpec.close``); a spare whose parent dies exits (its stdin closes).
 
 The spec travels as JSON on stdin; nothing is pickled. It carries the
 options of the child's hub (``hub=``, a ``transports.HubOptions``: CURVE
@@ -224,17 +226,35 @@ async def _spawn(preload: Sequence[str], env: dict[str, str], pass_fds: tuple[in
 @dataclass
 class _Spare:
     process: trio.Process
-    ready: int  # the read end of its ready pipe
+    ready: int  # the read end of its ready pipe (its first line: ``warm``, once it preloaded)
     env: dict[str, str]
     pass_fds: tuple[int, ...]
+    warm: bool = False
+
+    def check(self) -> bool:
+        """Whether it said ``warm`` (a read that does not wait; the line is atomic: < PIPE_BUF)."""
+        if not self.warm:
+            os.set_blocking(self.ready, False)
+            try:
+                self.warm = os.read(self.ready, len(WARM)) == WARM
+            except BlockingIOError:
+                pass
+            finally:
+                os.set_blocking(self.ready, True)
+        return self.warm
+
+
+WARM = b"warm\n"  # a spare's first line on its ready pipe: it preloaded and waits for its spec
 
 
 class Standby:
     """One spare process, kept for the next start of a ProcessChild (``ProcessChild(...,
     standby=)``): each start that gets ready spawns the next spare, which imports ``preload``
     (module names; ``module:function`` also calls the function) on a thread at the lowest CPU
-    priority (it takes only idle time from what runs), then waits for its spec. A start takes
-    the spare when it was spawned with the same environment and inherited descriptors.
+    priority (it takes only idle time from what runs), then says ``warm`` and waits for its
+    spec. A start takes the spare when it is warm and was spawned with the same environment and
+    inherited descriptors; one not warm yet is ended (on a busy host it could take minutes to
+    get there, and the start would wait on it), and the start spawns a fresh process.
 
     The spare holds what it imported (hundreds of MB with torch) and costs nothing else.
     ``aclose`` ends it; a closed Standby spawns again at the next start that gets ready."""
@@ -244,6 +264,7 @@ class Standby:
         self._spare: _Spare | None = None
         self.spawned = 0  # spares spawned
         self.taken = 0  # starts that ran in a spare
+        self.cold = 0  # spares ended because a start came before they were warm
 
     @property
     def pid(self) -> int | None:
@@ -263,15 +284,28 @@ class Standby:
         self._spare = _Spare(process, ready, env, pass_fds)
         self.spawned += 1
 
+    async def until_warm(self) -> bool:
+        """Wait until the spare said ``warm``; False when there is none (or it exited first)."""
+        spare = self._spare
+        while spare is not None and spare is self._spare and not spare.check():
+            if spare.process.poll() is not None:
+                return False
+            with trio.move_on_after(1.0):  # (a spare that dies says nothing: look again)
+                await trio.lowlevel.wait_readable(spare.ready)
+        return spare is not None and spare is self._spare
+
     async def take(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> _Spare | None:
-        """The spare, for a start with ``env`` and ``pass_fds`` (None: none, or it exited, or it was
-        spawned for other ones: then it is ended)."""
+        """The spare, for a start with ``env`` and ``pass_fds`` (None: none, or it exited, is not
+        warm yet, or was spawned for other ones: then it is ended)."""
         spare, self._spare = self._spare, None
         if spare is None:
             return None
         if spare.process.poll() is None and spare.env == env and spare.pass_fds == pass_fds:
-            self.taken += 1
-            return spare
+            if spare.check():
+                self.taken += 1
+                return spare
+            self.cold += 1
+            log.info("the spare process (pid %d) is not warm yet: a fresh process starts", spare.process.pid)
         await _end_spare(spare)
         return None
 
@@ -384,6 +418,14 @@ class _ReadyPipe:
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
 
+    def warm(self) -> None:
+        """A spare's first line: it preloaded (the parent reads it before it sends the spec)."""
+        if self.fd is not None:
+            try:
+                os.write(self.fd, WARM)
+            except OSError:  # (the parent ended; stdin's end tells the main thread)
+                pass
+
     def bound(self) -> None:
         if self.fd is not None:
             try:
@@ -476,10 +518,11 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-def _preload(items: Sequence[str]) -> threading.Thread:
+def _preload(items: Sequence[str], ready: _ReadyPipe) -> threading.Thread:
     """Import ``items`` (``module:function`` also calls it) on a thread at the lowest CPU priority
-    (a Linux thread has its own nice value; the threads the child starts later do not inherit it).
-    An item that fails is skipped: the start imports it again and says what fails."""
+    (a Linux thread has its own nice value; the threads the child starts later do not inherit it),
+    then say ``warm`` on the ready pipe. An item that fails is skipped: the start imports it again
+    and says what fails."""
 
     def run() -> None:
         try:
@@ -494,6 +537,7 @@ def _preload(items: Sequence[str]) -> threading.Thread:
                     getattr(loaded, function)()
             except Exception:  # noqa: BLE001, S112 - see above
                 continue
+        ready.warm()
 
     thread = threading.Thread(target=run, name="preload", daemon=True)
     thread.start()
@@ -502,7 +546,7 @@ def _preload(items: Sequence[str]) -> threading.Thread:
 
 def main() -> None:
     ready = _ReadyPipe(int(sys.argv[1]))
-    preloading = _preload(sys.argv[2:]) if len(sys.argv) > 2 else None
+    preloading = _preload(sys.argv[2:], ready) if len(sys.argv) > 2 else None
     line = _read_line(0)
     if not line.endswith(b"\n"):  # a spare that was not used: its parent closed stdin (or died)
         os._exit(0)

@@ -33,6 +33,10 @@ Figures (times are this process's ``perf_counter``):
   (``supervision.standby``, the default: a restart runs in it, torch and
   transformers already imported). ``--standby both`` runs without and with,
   alternated ``--rounds`` times, and prints recovery_s with over without.
+  A spare imports at the lowest CPU priority, in the time the server leaves
+  idle, and is used only once it has (else the restart starts a fresh
+  process): ``--idle S`` leaves the server S seconds idle between the
+  fault-free run and the run with kills (default 0: busy from its start).
 - max_gap_s: the longest time between two token-carrying events of one
   request, over all requests (time to first token not included).
 - completed / failed: a request completes with HTTP 200, no error event,
@@ -254,7 +258,8 @@ async def benchmark(args) -> dict:
         topology = load_topology(config)
         report = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": topology.model.dtype,
                   "requests": args.requests, "output_len": args.output_len, "kills": args.kills,
-                  "deterministic": args.deterministic_now, "standby": args.standby_now, "replicas": args.replicas}
+                  "deterministic": args.deterministic_now, "standby": args.standby_now, "idle_s": args.idle,
+                  "replicas": args.replicas}
         # (the replica-kill mode's target is the restart it need not wait for, not the model load)
         report["model_load_s"] = await time_scheduler_start(topology) if args.replicas == 1 else None
         log = (tmp / "server.log").open("wb")
@@ -299,6 +304,7 @@ async def kill_phase(args, url: str, control: RawHTTP) -> dict:
     baseline = await run_streams(url, bodies, Progress())
     if (status := (await status_of(control, "/flush_cache"))[0]) != 200:
         raise RuntimeError(f"/flush_cache answered {status}")
+    await trio.sleep(args.idle)  # (the server idles: what a spare process needs to get warm)
     progress = Progress()
     total = args.requests * args.output_len
     kills = []
@@ -372,7 +378,8 @@ def print_table(r: dict) -> None:
         return "-" if value is None else f"{value:.3f}{unit}"
 
     print(f"model {r['model']} ({r['dtype']}{', deterministic inference' if r['deterministic'] else ''}"
-          f"{', a spare scheduler process' if r['standby'] else ', no spare process'}), "
+          f"{', a spare scheduler process' if r['standby'] else ', no spare process'}"
+          f"{', idle %g s before the kills' % r['idle_s'] if r.get('idle_s') else ''}), "
           f"{r['requests']} streaming requests x {r['output_len']} tokens, {r['kills']} kill(s) -9 of "
           + ("the scheduler" if r["replicas"] == 1 else f"replica 1's scheduler of {r['replicas']} replicas"))
     if r["replicas"] > 1:
@@ -431,6 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="supervision.standby: a spare scheduler process for restarts (on: the default); both: "
                         "a run without and one with, alternated --rounds times")
     p.add_argument("--rounds", type=int, default=1, help="with --standby both: off/on pairs (default 1)")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="seconds the server idles between the fault-free run and the run with kills")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: data-parallel replicas, and each kill is of replica 1 (the replica-kill mode)")
     p.add_argument("--smoke", action="store_true", help="tiny model in float32, 4 requests x 128 tokens")

@@ -86,3 +86,10 @@ def say_preloaded() -> None:
 
     nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     os.write(int(os.environ["PRELOAD_FD"]), f"{os.getpid()} {nice}\n".encode())
+
+
+def never_warm() -> None:
+    """A spare's preload that never ends (the spare never says warm)."""
+    import threading
+
+    threading.Event().wait()

@@ -290,6 +290,7 @@ async def test_a_restart_after_a_crash_runs_in_the_spare_that_preloaded_at_the_l
             first = sup.child("a").pid
             spare, nice = await preloaded()  # spawned once the first start was ready; it preloaded
             assert spare != first and spare == standby.pid and nice == 19
+            assert await standby.until_warm()
             os.kill(first, signal.SIGKILL)
             await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
             assert sup.child("a").pid == spare and standby.taken == 1  # the restart ran in the spare
@@ -320,3 +321,28 @@ async def test_a_spare_spawned_for_another_environment_is_ended_not_used():
         assert standby.taken == 0
     finally:
         os.close(pidfd)
+
+
+async def test_a_start_before_the_spare_is_warm_runs_in_a_fresh_process_and_ends_the_spare(ipc):
+    standby = Standby(["tests.actors.processes:never_warm"])
+    spec = ChildSpec("a", lambda: ProcessChild("tests.actors.processes:echo", {"address": ipc("a"), "reply_to": ipc("out")},
+                                                name="a", standby=standby), close=standby.aclose)
+    async with open_harness() as h:
+        out = await h.probe(ipc("out"), Pong)
+        sup = await h.start_supervisor("sup", [spec])
+        first = sup.child("a").pid
+        with trio.fail_after(10):
+            while standby.pid is None:  # (spawned just after the start reported ready)
+                await trio.sleep(0.01)
+        spare = standby.pid
+        pidfd = os.pidfd_open(spare)
+        try:
+            os.kill(first, signal.SIGKILL)
+            await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
+            assert sup.child("a").pid not in (first, spare) and standby.taken == 0 and standby.cold == 1
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(pidfd)  # the cold spare was ended
+        finally:
+            os.close(pidfd)
+        await h.send(ipc("a"), Ping(1))
+        await wait_pong(out, "echo", 1)

@@ -465,7 +465,10 @@ async def test_smollm2_requests_survive_a_scheduler_kill(nursery):
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         fault_free = {}
         await run_all(client, bodies, True, fault_free)
-        spare = app.state.server.runtime.supervisor.child("scheduler").standby.pid
+        standby = app.state.server.runtime.supervisor.child("scheduler").standby
+        with trio.fail_after(120):
+            assert await standby.until_warm()  # (it preloads in the time the server leaves idle)
+        spare = standby.pid
         texts = {}
         async with trio.open_nursery() as inner:
             inner.start_soon(run_all, client, bodies, True, texts)
