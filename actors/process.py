@@ -194,9 +194,11 @@ class ProcessChild:
                     ) from failure
             log.info("process %s (pid %d) is ready", self.name, process.pid)
             task_status.started(self)
-            if self.standby is not None:
-                await self.standby.fill(env, self.pass_fds)
-            returncode = await process.wait()
+            async with trio.open_nursery() as nursery:
+                if self.standby is not None:
+                    nursery.start_soon(self.standby.fill_later, env, self.pass_fds)
+                returncode = await process.wait()
+                nursery.cancel_scope.cancel()
             if returncode != 0:
                 raise ProcessExited(self.name, returncode)
         finally:
@@ -229,39 +231,47 @@ class _Spare:
     ready: int  # the read end of its ready pipe (its first line: ``warm``, once it preloaded)
     env: dict[str, str]
     pass_fds: tuple[int, ...]
-    warm: bool = False
+    said: bytes = b""  # its first line, once it came
 
     def check(self) -> bool:
         """Whether it said ``warm`` (a read that does not wait; the line is atomic: < PIPE_BUF)."""
-        if not self.warm:
+        if not self.said:
             os.set_blocking(self.ready, False)
             try:
-                self.warm = os.read(self.ready, len(WARM)) == WARM
+                self.said = os.read(self.ready, len(WARM))
             except BlockingIOError:
                 pass
             finally:
                 os.set_blocking(self.ready, True)
-        return self.warm
+            if self.said == COLD:
+                log.warning("spare process %d: an import started a thread while it preloaded at the lowest "
+                            "priority; not used (restarts start fresh processes)", self.process.pid)
+        return self.said == WARM
 
 
 WARM = b"warm\n"  # a spare's first line on its ready pipe: it preloaded and waits for its spec
+COLD = b"cold\n"  # or: it preloaded, but an import started a thread at the spare's priority (never used)
 
 
 class Standby:
     """One spare process, kept for the next start of a ProcessChild (``ProcessChild(...,
-    standby=)``): each start that gets ready spawns the next spare, which imports ``preload``
-    (module names; ``module:function`` also calls the function) on a thread at the lowest CPU
-    priority (it takes only idle time from what runs), then says ``warm`` and waits for its
-    spec. A start takes the spare when it is warm and was spawned with the same environment and
+    standby=)``): each start that gets ready spawns the next spare (``after`` seconds later),
+    which imports ``preload`` (module names; ``module:function`` also calls the function) on a
+    thread at the lowest CPU priority (it takes only idle time from what runs), then says
+    ``warm`` and waits for its spec. A start takes the spare when it is warm and was spawned with the same environment and
     inherited descriptors; one not warm yet is ended (on a busy host it could take minutes to
     get there, and the start would wait on it), and the start spawns a fresh process.
 
     The spare holds what it imported (hundreds of MB with torch) and costs nothing else.
     ``aclose`` ends it; a closed Standby spawns again at the next start that gets ready."""
 
-    def __init__(self, preload: Sequence[str] = ()) -> None:
+    def __init__(self, preload: Sequence[str] = (), *, after: float = 2.0) -> None:
         self.preload = tuple(preload)
+        # seconds from a start's ready to its spare's spawn: the spare's first moments (the interpreter,
+        # this module's imports) run at the normal priority, and what a restart resumes runs first
+        self.after = after
         self._spare: _Spare | None = None
+        self._spawned = trio.Event()  # (replaced once set: the next spawn sets the next one)
         self.spawned = 0  # spares spawned
         self.taken = 0  # starts that ran in a spare
         self.cold = 0  # spares ended because a start came before they were warm
@@ -270,6 +280,11 @@ class Standby:
     def pid(self) -> int | None:
         """The spare's process id (None: no spare now)."""
         return None if self._spare is None else self._spare.process.pid
+
+    async def fill_later(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> None:
+        """``fill``, ``after`` seconds from now."""
+        await trio.sleep(self.after)
+        await self.fill(env, pass_fds)
 
     async def fill(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> None:
         """Spawn a spare unless there is one (it gets warm in the background). A spare that cannot
@@ -283,12 +298,17 @@ class Standby:
             return
         self._spare = _Spare(process, ready, env, pass_fds)
         self.spawned += 1
+        self._spawned.set()
+        self._spawned = trio.Event()
 
     async def until_warm(self) -> bool:
-        """Wait until the spare said ``warm``; False when there is none (or it exited first)."""
+        """Wait until there is a spare (a start that got ready spawns one ``after`` seconds later) and it
+        said ``warm``; False when it said ``cold``, exited, or was taken or ended first."""
+        while self._spare is None:
+            await self._spawned.wait()
         spare = self._spare
         while spare is not None and spare is self._spare and not spare.check():
-            if spare.process.poll() is not None:
+            if spare.process.poll() is not None or spare.said:
                 return False
             with trio.move_on_after(1.0):  # (a spare that dies says nothing: look again)
                 await trio.lowlevel.wait_readable(spare.ready)
@@ -418,11 +438,12 @@ class _ReadyPipe:
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
 
-    def warm(self) -> None:
-        """A spare's first line: it preloaded (the parent reads it before it sends the spec)."""
+    def warm(self, usable: bool) -> None:
+        """A spare's first line: it preloaded (the parent reads it before it sends the spec), or it
+        cannot be used (``cold``)."""
         if self.fd is not None:
             try:
-                os.write(self.fd, WARM)
+                os.write(self.fd, WARM if usable else COLD)
             except OSError:  # (the parent ended; stdin's end tells the main thread)
                 pass
 
@@ -520,13 +541,16 @@ def _first_leaf(exc: BaseException) -> BaseException:
 
 def _preload(items: Sequence[str], ready: _ReadyPipe) -> threading.Thread:
     """Import ``items`` (``module:function`` also calls it) on a thread at the lowest CPU priority
-    (a Linux thread has its own nice value; the threads the child starts later do not inherit it),
-    then say ``warm`` on the ready pipe. An item that fails is skipped: the start imports it again
-    and says what fails."""
+    (a Linux thread has its own nice value; the threads the main thread starts later do not inherit
+    it), then say ``warm`` on the ready pipe (``cold`` where an import started a thread, which has
+    the lowest priority too). An item that fails is skipped: the start imports it again and says
+    what fails."""
 
     def run() -> None:
+        me = threading.get_native_id()
+        before = set(os.listdir("/proc/self/task"))
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, me, 19)
         except OSError:
             pass
         for item in items:
@@ -537,7 +561,9 @@ def _preload(items: Sequence[str], ready: _ReadyPipe) -> threading.Thread:
                     getattr(loaded, function)()
             except Exception:  # noqa: BLE001, S112 - see above
                 continue
-        ready.warm()
+        # a thread an import started (a BLAS pool, say) kept this one's priority: such a spare is not used
+        started = set(os.listdir("/proc/self/task")) - before - {str(me)}
+        ready.warm(not started)
 
     thread = threading.Thread(target=run, name="preload", daemon=True)
     thread.start()

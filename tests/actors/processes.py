@@ -93,3 +93,10 @@ def never_warm() -> None:
     import threading
 
     threading.Event().wait()
+
+
+def starts_a_thread() -> None:
+    """A spare's preload that starts a thread (which would keep the preload's lowest priority)."""
+    import threading
+
+    threading.Thread(target=threading.Event().wait, daemon=True).start()

@@ -268,7 +268,7 @@ async def test_a_process_that_cannot_be_spawned_leaves_no_descriptor_open(monkey
 
 async def test_a_restart_after_a_crash_runs_in_the_spare_that_preloaded_at_the_lowest_priority(ipc):
     read, write = os.pipe()
-    standby = Standby(["tests.actors.processes:say_preloaded"])
+    standby = Standby(["tests.actors.processes:say_preloaded"], after=0)
     env = {**os.environ, "PRELOAD_FD": str(write)}
     spec = ChildSpec("a", lambda: ProcessChild("tests.actors.processes:echo", {"address": ipc("a"), "reply_to": ipc("out")},
                                                 name="a", env=env, pass_fds=(write,), standby=standby),
@@ -323,8 +323,11 @@ async def test_a_spare_spawned_for_another_environment_is_ended_not_used():
         os.close(pidfd)
 
 
-async def test_a_start_before_the_spare_is_warm_runs_in_a_fresh_process_and_ends_the_spare(ipc):
-    standby = Standby(["tests.actors.processes:never_warm"])
+@pytest.mark.parametrize("preload", ["never_warm", "starts_a_thread"])
+async def test_a_spare_not_warm_is_ended_and_the_start_runs_in_a_fresh_process(ipc, preload):
+    """Still importing when the start came (``never_warm``), or an import started a thread, which kept
+    the spare's lowest priority (``starts_a_thread``: it says ``cold``, and is never used)."""
+    standby = Standby([f"tests.actors.processes:{preload}"], after=0)
     spec = ChildSpec("a", lambda: ProcessChild("tests.actors.processes:echo", {"address": ipc("a"), "reply_to": ipc("out")},
                                                 name="a", standby=standby), close=standby.aclose)
     async with open_harness() as h:
@@ -337,6 +340,8 @@ async def test_a_start_before_the_spare_is_warm_runs_in_a_fresh_process_and_ends
         spare = standby.pid
         pidfd = os.pidfd_open(spare)
         try:
+            if preload == "starts_a_thread":
+                assert await standby.until_warm() is False  # (it said cold)
             os.kill(first, signal.SIGKILL)
             await h.wait_event(lambda e: h.count("started", "a") == 2, timeout=30)
             assert sup.child("a").pid not in (first, spare) and standby.taken == 0 and standby.cold == 1
