@@ -63,7 +63,7 @@ from transports import HubOptions, open_hub
 
 from ._errors import ChildStartError, unwrap
 
-__all__ = ["ProcessChild", "ProcessExited", "ProcessStartFailed", "Standby"]
+__all__ = ["ProcessChild", "ProcessExited", "ProcessStartFailed", "Standby", "end_kept_spares", "keep_spares"]
 
 log = logging.getLogger("actors.process")
 
@@ -233,6 +233,14 @@ class _Spare:
     pass_fds: tuple[int, ...]
     said: bytes = b""  # its first line, once it came
 
+    def fits(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> bool:
+        """Whether a start with ``env`` and ``pass_fds`` may run in it (``keep_spares``' ``ignore_env``
+        aside, the same environment and descriptors)."""
+        if self.pass_fds != pass_fds:
+            return False
+        return ({k: v for k, v in self.env.items() if k not in _ignored_env}
+                == {k: v for k, v in env.items() if k not in _ignored_env})
+
     def check(self) -> bool:
         """Whether it said ``warm`` (a read that does not wait; the line is atomic: < PIPE_BUF)."""
         if not self.said:
@@ -287,9 +295,15 @@ class Standby:
         await self.fill(env, pass_fds)
 
     async def fill(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> None:
-        """Spawn a spare unless there is one (it gets warm in the background). A spare that cannot
-        be spawned is logged and skipped: the next start spawns its own process, as without one."""
+        """Spawn a spare unless there is one (it gets warm in the background), or adopt one kept
+        (``keep_spares``). A spare that cannot be spawned is logged and skipped: the next start
+        spawns its own process, as without one."""
         if self._spare is not None:
+            return
+        if (kept := _adopt(self.preload, env, pass_fds, warm=False)) is not None:
+            self._spare = kept
+            self._spawned.set()
+            self._spawned = trio.Event()
             return
         try:
             process, ready = await _spawn(self.preload, env, pass_fds)
@@ -297,6 +311,7 @@ class Standby:
             log.warning("no spare process (%s): the next start spawns its own", exc)
             return
         self._spare = _Spare(process, ready, env, pass_fds)
+        log.debug("spare process (pid %d) spawned to preload %s", process.pid, ", ".join(self.preload))
         self.spawned += 1
         self._spawned.set()
         self._spawned = trio.Event()
@@ -315,26 +330,81 @@ class Standby:
         return spare is not None and spare is self._spare
 
     async def take(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> _Spare | None:
-        """The spare, for a start with ``env`` and ``pass_fds`` (None: none, or it exited, is not
-        warm yet, or was spawned for other ones: then it is ended)."""
+        """The spare, for a start with ``env`` and ``pass_fds``, or a warm one kept (``keep_spares``);
+        None when there is none usable: it exited, is not warm yet, or was spawned for other ones
+        (then it is ended)."""
         spare, self._spare = self._spare, None
-        if spare is None:
-            return None
-        if spare.process.poll() is None and spare.env == env and spare.pass_fds == pass_fds:
-            if spare.check():
-                self.taken += 1
-                return spare
-            self.cold += 1
-            log.info("the spare process (pid %d) is not warm yet: a fresh process starts", spare.process.pid)
-        await _end_spare(spare)
-        return None
+        if spare is not None:
+            if spare.process.poll() is None and spare.fits(env, pass_fds):
+                if spare.check():
+                    self.taken += 1
+                    return spare
+                self.cold += 1
+                log.info("the spare process (pid %d) is not warm yet: a fresh process starts", spare.process.pid)
+            await _end_spare(spare)
+        if (spare := _adopt(self.preload, env, pass_fds, warm=True)) is not None:
+            self.taken += 1
+        return spare
 
     async def aclose(self) -> None:
-        """End the spare, if any (waits for it to exit)."""
+        """End the spare, if any (waits for it to exit), unless this process keeps it (``keep_spares``)."""
         spare, self._spare = self._spare, None
         if spare is not None:
             with trio.CancelScope(shield=True):
-                await _end_spare(spare)
+                if not await _keep(self.preload, spare):
+                    await _end_spare(spare)
+
+
+# -- spares kept past their Standby ------------------------------------------------------
+
+_kept: list[tuple[tuple[str, ...], _Spare]] = []  # oldest first
+_keep_limit = 0
+_ignored_env: frozenset[str] = frozenset()
+
+
+def keep_spares(limit: int, ignore_env: Sequence[str] = ()) -> int:
+    """Keep up to ``limit`` spares of each preload past the end of their Standby, for the next
+    Standby of this process with the same preload, environment and inherited descriptors (none):
+    a program that opens and closes runtimes again and again (a test suite) starts each one's
+    children in processes that imported what they need while it idled. 0 (the default): a
+    Standby's end ends its spare. ``end_kept_spares`` ends those kept (a kept spare also exits
+    when this process does: its stdin closes). ``ignore_env``: variables that may differ between
+    a spare and the start that runs in it (they keep the spare's values: ones nothing started reads,
+    like a test runner's name of the current test). Returns the limit it replaces."""
+    global _keep_limit, _ignored_env
+    previous, _keep_limit, _ignored_env = _keep_limit, limit, frozenset(ignore_env)
+    return previous
+
+
+async def end_kept_spares() -> None:
+    """End every spare kept (``keep_spares``)."""
+    with trio.CancelScope(shield=True):
+        while _kept:
+            await _end_spare(_kept.pop()[1])
+
+
+async def _keep(preload: tuple[str, ...], spare: _Spare) -> bool:
+    spare.check()
+    if _keep_limit <= 0 or spare.pass_fds or spare.process.poll() is not None or spare.said == COLD:
+        return False
+    _kept.append((preload, spare))
+    log.debug("spare process (pid %d) kept (%s)", spare.process.pid, "warm" if spare.said == WARM else "not warm yet")
+    for old in [k for k in _kept if k[0] == preload][:-_keep_limit]:  # the oldest beyond the limit
+        _kept.remove(old)
+        await _end_spare(old[1])
+    return True
+
+
+def _adopt(preload: tuple[str, ...], env: dict[str, str], pass_fds: tuple[int, ...], *, warm: bool) -> _Spare | None:
+    """A kept spare for a Standby of ``preload`` starting with ``env`` and ``pass_fds`` (``warm``:
+    only one that said so), the newest first; taken out of the kept ones."""
+    for entry in reversed(_kept):
+        kept_preload, spare = entry
+        if (kept_preload == preload and spare.fits(env, pass_fds)
+                and spare.process.poll() is None and (spare.check() or not warm and not spare.said)):
+            _kept.remove(entry)
+            return spare
+    return None
 
 
 async def _end_spare(spare: _Spare) -> None:

@@ -36,6 +36,24 @@ def tcp_address():
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def spares_outlive_each_tests_server():
+    """The suite opens hundreds of runtimes, one after another, in this process: each one's spare
+    processes (``supervision.standby``) are kept when it stops, and the next one's scheduler and
+    detokenizer start in them where they are warm (``actors.process.keep_spares``), not from a bare
+    interpreter that imports torch and transformers again (~4 s of CPU each). The path is the one a
+    restart after a crash takes in production; the first start of each kind, every server started as
+    a subprocess, and every start whose environment differs still start bare."""
+    import trio
+
+    from actors.process import end_kept_spares, keep_spares
+
+    previous = keep_spares(1, ignore_env=["PYTEST_CURRENT_TEST"])  # (pytest's name of the test running)
+    yield
+    keep_spares(previous)
+    trio.run(end_kept_spares)
+
+
 def pytest_sessionstart(session):
     """Build tercet's CPU kernels (once per machine, ~6 s) before tests start servers: else the
     first schedulers each compile them while their start-up is being timed."""

@@ -12,7 +12,7 @@ import zmq
 import zmq.auth
 
 from actors import ChildSpec, ChildStartError, RestartIntensityExceeded, Strategy
-from actors.process import ProcessChild, ProcessExited, ProcessStartFailed, Standby
+from actors.process import ProcessChild, ProcessExited, ProcessStartFailed, Standby, end_kept_spares, keep_spares
 from actors.testing import open_harness
 from transports import CurveConfig, Encoder, HubOptions
 
@@ -351,3 +351,31 @@ async def test_a_spare_not_warm_is_ended_and_the_start_runs_in_a_fresh_process(i
             os.close(pidfd)
         await h.send(ipc("a"), Ping(1))
         await wait_pong(out, "echo", 1)
+
+
+def test_a_spare_kept_past_its_runtime_starts_the_next_ones_child(ipc):
+    """keep_spares: a supervisor's end keeps its warm spare (not ended), and the next runtime of this
+    process (another trio.run, a new Standby of the same preload) starts its child in it."""
+    args = {"address": ipc("a"), "reply_to": ipc("out")}
+
+    async def run_once() -> tuple[int, int | None, Standby]:
+        standby = Standby(["tests.actors.processes:echo"], after=0)
+        spec = ChildSpec("a", lambda: ProcessChild("tests.actors.processes:echo", args, name="a", standby=standby),
+                         close=standby.aclose)
+        async with open_harness() as h:
+            out = await h.probe(ipc("out"), Pong)
+            sup = await h.start_supervisor("sup", [spec])
+            await h.send(ipc("a"), Ping(1))
+            await wait_pong(out, "echo", 1)
+            with trio.fail_after(30):
+                assert await standby.until_warm()
+            return sup.child("a").pid, standby.pid, standby
+
+    previous = keep_spares(1)
+    try:
+        _, kept, _ = trio.run(run_once)
+        pid, _, standby = trio.run(run_once)
+        assert pid == kept and standby.taken == 1 and standby.spawned == 1  # (its own next spare: spawned)
+    finally:
+        keep_spares(previous)
+        trio.run(end_kept_spares)
