@@ -121,9 +121,9 @@ class SupervisionSection(msgspec.Struct, forbid_unknown_fields=True):
     # a replica's scheduler and detokenizer start at once (they need nothing of each other to
     # start; ~5 s less to ready on 2 cores), or one after the other (in_order, OTP's way)
     start: Literal["together", "in_order"] = "together"
-    # a spare process for each child process (scheduler, detokenizer), started once it is ready: torch
-    # and transformers imported in idle time, so a restart after a crash takes ~1 s, not ~5 (SmolLM2 on
-    # 2 cores); ~400 MB of memory a spare
+    # a spare process for each child process (scheduler, detokenizer), started 2 s after it is ready:
+    # torch and transformers imported in idle time, so a restart after a crash takes ~1.5 s, not ~6
+    # (SmolLM2 on 2 cores; a spare not warm yet is not waited for); ~260-420 MB of memory a spare
     standby: bool = True
 
 
