@@ -29,7 +29,8 @@ other:
   CPU priority, says ``warm`` and waits for its spec, so a restart after a
   crash skips the interpreter's start and those imports (seconds, for
   torch). A spare not warm yet is not used (it would finish its imports at
-  the lowest priority); the start spawns a fresh process, as without one.
+  the lowest priority): the start spawns a fresh process, as without one, and
+  the spare stays for the start after it.
   Its owner closes it when no start will come (a supervisor:
   ``ChildSpec.close``); a spare whose parent dies exits (its stdin closes).
 
@@ -172,6 +173,10 @@ class ProcessChild:
             process, ready_read = spare.process, spare.ready
         else:
             process, ready_read = await _spawn((), env, self.pass_fds)
+            if self.standby is not None and self.standby.starts > 1:
+                # a restart from a bare interpreter (crashes in a row, say): the next spare gets warm
+                # meanwhile, on the core this start's imports leave idle
+                await self.standby.fill(env, self.pass_fds)
         self.process = process
         try:
             assert process.stdin is not None
@@ -263,12 +268,15 @@ COLD = b"cold\n"  # or: it preloaded, but an import started a thread at the spar
 
 class Standby:
     """One spare process, kept for the next start of a ProcessChild (``ProcessChild(...,
-    standby=)``): each start that gets ready spawns the next spare (``after`` seconds later),
-    which imports ``preload`` (module names; ``module:function`` also calls the function) on a
-    thread at the lowest CPU priority (it takes only idle time from what runs), then says
-    ``warm`` and waits for its spec. A start takes the spare when it is warm and was spawned with the same environment and
-    inherited descriptors; one not warm yet is ended (on a busy host it could take minutes to
-    get there, and the start would wait on it), and the start spawns a fresh process.
+    standby=)``). Each start that gets ready spawns the next spare ``after`` seconds later (a
+    restart that found no warm one spawns it at once), which imports ``preload`` (module names;
+    ``module:function`` also calls the function) on a thread at the lowest CPU priority (it takes
+    only idle time from what runs), then says ``warm`` and waits for its spec.
+
+    A start takes the spare when it is warm and was spawned with the same environment and
+    inherited descriptors. A start that comes before it is warm spawns a fresh process (on a busy
+    host the spare could take minutes to get there, and the start would wait on it); the spare
+    stays, for the start after.
 
     The spare holds what it imported (hundreds of MB with torch) and costs nothing else.
     ``aclose`` ends it; a closed Standby spawns again at the next start that gets ready."""
@@ -280,6 +288,7 @@ class Standby:
         self.after = after
         self._spare: _Spare | None = None
         self._spawned = trio.Event()  # (replaced once set: the next spawn sets the next one)
+        self.starts = 0  # starts that asked for a spare (``take``)
         self.spawned = 0  # spares spawned
         self.taken = 0  # starts that ran in a spare
         self.cold = 0  # spares ended because a start came before they were warm
@@ -331,17 +340,23 @@ class Standby:
 
     async def take(self, env: dict[str, str], pass_fds: tuple[int, ...]) -> _Spare | None:
         """The spare, for a start with ``env`` and ``pass_fds``, or a warm one kept (``keep_spares``);
-        None when there is none usable: it exited, is not warm yet, or was spawned for other ones
-        (then it is ended)."""
+        None when there is none usable. A spare still importing stays, for the start after this one
+        (it goes on in the time this start leaves idle: a fresh start imports on one core); one that
+        exited, said ``cold`` or was spawned for another environment is ended."""
+        self.starts += 1
         spare, self._spare = self._spare, None
         if spare is not None:
             if spare.process.poll() is None and spare.fits(env, pass_fds):
                 if spare.check():
                     self.taken += 1
                     return spare
-                self.cold += 1
-                log.info("the spare process (pid %d) is not warm yet: a fresh process starts", spare.process.pid)
-            await _end_spare(spare)
+                if not spare.said:
+                    self.cold += 1
+                    log.info("the spare process (pid %d) is not warm yet: a fresh process starts (the spare "
+                             "stays, for the start after it)", spare.process.pid)
+                    self._spare, spare = spare, None
+            if spare is not None:
+                await _end_spare(spare)
         if (spare := _adopt(self.preload, env, pass_fds, warm=True)) is not None:
             self.taken += 1
         return spare
