@@ -291,7 +291,7 @@ class Standby:
         self.starts = 0  # starts that asked for a spare (``take``)
         self.spawned = 0  # spares spawned
         self.taken = 0  # starts that ran in a spare
-        self.cold = 0  # spares ended because a start came before they were warm
+        self.cold = 0  # starts that came before the spare was warm (a fresh process ran them; the spare stayed)
 
     @property
     def pid(self) -> int | None:
