@@ -325,11 +325,16 @@ class Standby:
         self._spawned.set()
         self._spawned = trio.Event()
 
-    async def until_warm(self) -> bool:
-        """Wait until there is a spare (a start that got ready spawns one ``after`` seconds later) and it
-        said ``warm``; False when it said ``cold``, exited, or was taken or ended first."""
+    async def until_spawned(self) -> int:
+        """Wait until there is a spare (a start that got ready spawns one ``after`` seconds later); its pid."""
         while self._spare is None:
             await self._spawned.wait()
+        return self._spare.process.pid
+
+    async def until_warm(self) -> bool:
+        """Wait until there is a spare and it said ``warm``; False when it said ``cold``, exited, or was
+        taken or ended first."""
+        await self.until_spawned()
         spare = self._spare
         while spare is not None and spare is self._spare and not spare.check():
             if spare.process.poll() is not None or spare.said:

@@ -336,9 +336,7 @@ async def test_a_start_before_the_spare_is_warm_runs_in_a_fresh_process(ipc, pre
         sup = await h.start_supervisor("sup", [spec])
         first = sup.child("a").pid
         with trio.fail_after(10):
-            while standby.pid is None:  # (spawned just after the start reported ready)
-                await trio.sleep(0.01)
-        spare = standby.pid
+            spare = await standby.until_spawned()  # (just after the start reported ready)
         pidfd = os.pidfd_open(spare)
         try:
             if preload == "starts_a_thread":
