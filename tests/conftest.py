@@ -22,6 +22,17 @@ def thread_nice_values(pid: int) -> list[int]:
     return values
 
 
+async def until_no_thread_niced(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of ``pid`` runs at nice 0. A spare's preload thread (nice 19), joined before its
+    process starts the child, can stay a moment in /proc while it exits (longer on a busy host: it exits
+    at nice 19); a thread that stays niced fails this after ``timeout`` (the kernel offers no event)."""
+    import trio
+
+    with trio.fail_after(timeout):
+        while set(thread_nice_values(pid)) != {0}:
+            await trio.sleep(0.01)
+
+
 def child_pids(pid: int) -> set[int]:
     """The processes whose parent is ``pid`` (a server's children: its actors' processes and their spares)."""
     return {int(child) for task in pathlib.Path(f"/proc/{pid}/task").iterdir()
