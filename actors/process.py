@@ -310,18 +310,20 @@ class Standby:
         if self._spare is not None:
             return
         if (kept := _adopt(self.preload, env, pass_fds, warm=False)) is not None:
-            self._spare = kept
-            self._spawned.set()
-            self._spawned = trio.Event()
+            self._hold(kept)
             return
         try:
             process, ready = await _spawn(self.preload, env, pass_fds)
         except OSError as exc:
             log.warning("no spare process (%s): the next start spawns its own", exc)
             return
-        self._spare = _Spare(process, ready, env, pass_fds)
         log.debug("spare process (pid %d) spawned to preload %s", process.pid, ", ".join(self.preload))
         self.spawned += 1
+        self._hold(_Spare(process, ready, env, pass_fds))
+
+    def _hold(self, spare: _Spare) -> None:
+        """``spare`` is the spare now; who waits for one (``until_spawned``) hears of it."""
+        self._spare = spare
         self._spawned.set()
         self._spawned = trio.Event()
 
