@@ -171,7 +171,7 @@ class BlockCodeLinear(Projection):
 
     def dense(self) -> torch.Tensor:
         codes, scales, offsets = self.codes  # w = float(q) * d + m per block of 32 k
-        if codes.dtype == torch.int32:
+        if codes.dtype == torch.int32 and codes.shape[1] * 8 == self.shape[1]:  # octets (one int32 a code: not)
             codes, scales, offsets = unpaired_octets(codes, scales, offsets)
         q = _unpack_codes(codes, self.shape[1]).float()
         panels = (q.unflatten(1, (scales.shape[1], -1)) * scales.float()[:, :, None]

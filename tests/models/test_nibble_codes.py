@@ -185,6 +185,20 @@ def test_octets_hold_the_nibbles_codes_in_pairs_of_panels_and_are_refused_where_
             cpu_kernels.block_linear(x, octets, d, m, 40)
 
 
+def test_dense_takes_int32_codes_one_a_code_as_codes_not_octets():
+    """`BlockCodeLinear.dense` tells octets ([P, K/8, 16] int32) from codes one an int ([P, K, 16], as
+    `bf16_block_codes_dense` gives them back in int32): the octets' pairs of panels were undone on such
+    codes too, and a bf16 projection of two panels or more read back another weight (AMX CPUs' CI)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (3, 64, 16), generator=g)  # 3 panels, 2 blocks
+    scales, offsets = torch.randn(3, 2, 16, generator=g).half(), torch.randn(3, 2, 16, generator=g).half()
+    nibbles = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).to(torch.uint8)
+    want = BlockCodeLinear([nibbles, scales, offsets], 40).dense()
+    assert torch.equal(BlockCodeLinear([q.int(), scales, offsets], 40).dense(), want)
+    assert torch.equal(BlockCodeLinear([q, scales, offsets], 40).dense(), want)
+    assert torch.equal(BlockCodeLinear(list(cpu_kernels.octet_codes(nibbles, scales, offsets)), 40).dense(), want)
+
+
 def test_block_linear_refuses_layouts_that_do_not_fit(fp32):
     codes, scales, offsets = cpu_kernels.pack_block_codes(quantized(40, 64, "q4_1"))
     x = torch.zeros(2, 64)
