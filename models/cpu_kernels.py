@@ -33,7 +33,8 @@ later processes: only a build this user's alone (`private_cache`; else it is
 built again, in a private directory where the cache is not), and a build that
 does not load (truncated, corrupt) is built again. Where they cannot be built
 (no compiler) `load()` logs why once and returns False; the runner then keeps the torch path.
-`TERCET_CPU_KERNELS=0` turns them off.
+`TERCET_CPU_KERNELS=0` turns them off; `TERCET_CPU_MARCH=x86-64-v3` builds them for an older target
+than this CPU (-march=native otherwise), which the tests use to run the AVX2 paths on an AVX-512 host.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))  # every file of csrc/ (the package data): one library, one digest
 HEADERS = sorted(CSRC.glob("*.h"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused a*b+c: the eager ops round each
+MARCH_ENV = "TERCET_CPU_MARCH"  # another target than this CPU (tests: x86-64-v3, the AVX2 paths on an AVX-512 host)
+
+
+def cflags() -> list[str]:
+    """CFLAGS with `-march=$TERCET_CPU_MARCH` where that is set: a name of GCC's (`x86-64-v3`: AVX2 + FMA +
+    F16C, the paths of such CPUs built and tested on a newer one), a ValueError naming the variable else."""
+    march = os.environ.get(MARCH_ENV, "native")
+    if not march or not all(c.isalnum() or c in "-_." for c in march):
+        raise ValueError(f"{MARCH_ENV}={march!r}: not a -march name (such as native or x86-64-v3)")
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS]
 
 
 @functools.cache
@@ -67,6 +78,7 @@ def load() -> bool:
     if os.environ.get("TERCET_CPU_KERNELS", "1") == "0":
         log.info("tercet CPU kernels off (TERCET_CPU_KERNELS=0): the torch attention path serves")
         return False
+    cflags()  # a TERCET_CPU_MARCH that is no -march name is the caller's error, not a reason to serve without them
     try:
         directory, private = _kernels_dir()
         target = directory / f"tercet_cpu_{_digest()}.so"  # (sources missing: the except)
@@ -129,7 +141,7 @@ def _build(target: Path) -> None:
     try:
         log.info("building tercet CPU kernels (once per machine) into %s", target)
         cpp_extension.load(
-            name=target.stem, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+            name=target.stem, sources=[str(p) for p in SOURCES], extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"], build_directory=str(scratch), is_python_module=False,
             verbose=False,
         )
@@ -161,7 +173,7 @@ def _digest() -> str:
     h = hashlib.sha256()
     for path in [*SOURCES, *HEADERS]:
         h.update(path.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:12]
