@@ -1,6 +1,6 @@
 #!/bin/bash
 # base (021d2bb) vs head, bench_model alternated A B B A, steal around each run
-out=${OUT:-.}
+out=$(realpath "${OUT:-.}")  # the worktrees at /tmp/p50/base and /tmp/p50/head (git worktree add)
 for t in base head head base; do
   n=$(ls $out/bm-$t-*.json 2>/dev/null | wc -l); n=$((n+1))
   s0=$(head -1 /proc/stat | awk '{print $9}')
