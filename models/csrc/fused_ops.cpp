@@ -7,7 +7,7 @@
 //   silu_mul(gate_up) -> silu(gate) * up, gate_up = [gate | up] per row
 //   rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> (q, k):
 //       rotates q and k (rotate-half), writes k and v into the cache rows `slots`
-//   argmax_logsumexp(logits) -> (first index of each row's max, its logsumexp), fp32 rows
+//   argmax_logsumexp(logits) -> (first index of each row's max, its logsumexp: NaN where the row holds a NaN), fp32 rows
 //
 // Rows are independent: a row's result does not depend on the batch.
 
@@ -177,17 +177,21 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
       float top = -INFINITY;
       int64_t at = 0;
       int64_t i = 0;
+      bool nan = false;  // (the max skips a NaN, and the exp below need not give one back)
 #if TERCET_VEC
       if (n >= L) {
         vec::vf best = vec::set1(-INFINITY);
         vec::vi where = vec::lane_index(), lane = vec::lane_index();
+        vec::vm seen = vec::unordered(vec::zero());
         for (; i + L <= n; i += L) {
           const vec::vf v = vec::load(row + i);
           const vec::vm more = vec::greater(v, best);  // strictly: a lane keeps its first maximum
           best = vec::select(more, best, v);
           where = vec::select(more, where, lane);
           lane = vec::add_int(lane, L);
+          seen = vec::either(seen, vec::unordered(v));
         }
+        nan = vec::any(seen);
         float lane_best[L];
         int32_t lane_at[L];
         vec::store(lane_best, best);
@@ -200,6 +204,7 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
 #endif
       for (; i < n; ++i) {
         if (row[i] > top) top = row[i], at = i;
+        nan = nan || std::isnan(row[i]);
       }
       index[r] = at;
       float sum = 0.f;
@@ -211,7 +216,7 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
       sum = vec::reduce_add(lanes);
 #endif
       for (; i < n; ++i) sum += std::exp(row[i] - top);
-      lse[r] = top + std::log(sum);
+      lse[r] = nan ? NAN : top + std::log(sum);
     }
   });
 }

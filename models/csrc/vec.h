@@ -98,6 +98,9 @@ inline vf reduce_lanes(const vf (&x)[16]) {
 }
 
 inline vm greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline vm unordered(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }  // NaN lanes
+inline vm either(vm a, vm b) { return static_cast<vm>(a | b); }
+inline bool any(vm m) { return m != 0; }
 inline vf select(vm m, vf if_false, vf if_true) { return _mm512_mask_mov_ps(if_false, m, if_true); }
 inline vi lane_index() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 inline vi add_int(vi a, int b) { return _mm512_add_epi32(a, _mm512_set1_epi32(b)); }
@@ -189,6 +192,9 @@ inline float reduce_max(vf x) {
 }
 
 inline vm greater(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline vm unordered(vf a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }  // NaN lanes
+inline vm either(vm a, vm b) { return _mm256_or_ps(a, b); }
+inline bool any(vm m) { return _mm256_movemask_ps(m) != 0; }
 inline vf select(vm m, vf if_false, vf if_true) { return _mm256_blendv_ps(if_false, if_true, m); }
 inline vi lane_index() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 inline vi add_int(vi a, int b) { return _mm256_add_epi32(a, _mm256_set1_epi32(b)); }

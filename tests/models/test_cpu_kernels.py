@@ -275,6 +275,10 @@ def test_argmax_logsumexp_is_torchs(kernels, vocab):
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
     alone = cpu_kernels.argmax_logsumexp(logits[3:4])
     assert torch.equal(alone[1], lse[3:4])  # a row's result does not depend on the others
+    logits[4, vocab - 1] = logits[5, 0] = float("nan")  # the last lane or the tail; the first lane
+    lse = cpu_kernels.argmax_logsumexp(logits)[1]
+    assert torch.isnan(lse).tolist() == [False] * 4 + [True, True]  # as torch's (the runner's NaN check reads it)
+    assert torch.isnan(torch.logsumexp(logits, dim=-1)[4:]).all()
 
 
 needs_gemm = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")

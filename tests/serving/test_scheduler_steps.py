@@ -280,3 +280,31 @@ def test_nan_rows_finds_every_nan_and_only_nans():
     logits[5] = 3e38  # the sum overflows to inf: no NaN
     assert nan_rows(logits).tolist() == [False, True, False, False, True, False]
     assert nan_rows(torch.randn(3, 10)).tolist() == [False] * 3
+
+
+def test_the_samplers_logsumexp_finds_every_nan_row_for_the_check():
+    """On CPU the runner takes the suspects from the sampler's argmax/logsumexp pass instead of a sum:
+    every NaN row must be among the rows whose logsumexp is NaN (NaN at any lane or in the tail, a row
+    all NaN), and the check then keeps only the true ones (infinities of either sign, a row all -inf)."""
+    import torch
+
+    from models import cpu_kernels
+    from models.runner import nan_rows
+
+    if not cpu_kernels.load():
+        pytest.skip("the CPU kernels do not build here: the runner sums the rows instead")
+    logits = torch.randn(9, 1003)  # 1003: a tail past the vector lanes
+    logits[1, 999] = float("nan")  # in the tail
+    logits[2, 0], logits[2, 500] = float("inf"), float("-inf")
+    logits[3, 7] = float("inf")
+    logits[4, 3], logits[4, 4], logits[4, 5] = float("inf"), float("-inf"), float("nan")
+    logits[5] = float("-inf")
+    logits[6] = float("nan")
+    logits[7, 16] = float("nan")  # a vector lane
+    logits[8] = 3e38
+    best, lse = cpu_kernels.argmax_logsumexp(logits)
+    suspect = torch.isnan(lse)
+    truth = torch.isnan(logits).any(dim=-1)
+    assert bool((suspect | ~truth).all())  # every NaN row is a suspect
+    assert nan_rows(logits, suspect).tolist() == truth.tolist() == [False, True, False, False, True, False, True,
+                                                                     True, False]
