@@ -232,7 +232,7 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
 
 
 def argmax_logsumexp(logits):
-    """fp32 logits [B, V] -> (the first index of each row's maximum [B] int64, logsumexp [B], NaN for a row
+    """logits [B, V] (fp32, bf16 or fp16) -> (the first index of each row's maximum [B] int64, fp32 logsumexp [B], NaN for a row
     holding a NaN: the runner's NaN check reads it); one thread per row, so a row's results do not depend on
     the other rows."""
     return torch.ops.tercet.argmax_logsumexp(logits)

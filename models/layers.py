@@ -410,9 +410,14 @@ class CausalLM:
             h = cpu_kernels.add_rms_norm_(x, down, after, self.eps)
         return h
 
-    def logits(self, hidden) -> torch.Tensor:
-        """fp32 logits of hidden rows (the family's final divisor and soft-cap applied in fp32)."""
-        logits = self.lm_head(hidden, self.upcast).float()
+    def logits(self, hidden, fp32: bool = True) -> torch.Tensor:
+        """fp32 logits of hidden rows (the family's final divisor and soft-cap applied in fp32); not `fp32`:
+        in the head's own dtype where the family has neither (the same values: fp32 holds every bf16 and
+        fp16 exactly; the runner's sampling reads them so, without a pass that widens every logit)."""
+        logits = self.lm_head(hidden, self.upcast)
+        if not fp32 and self.logit_divisor is None and self.logit_softcap is None:
+            return logits
+        logits = logits.float()
         if self.logit_divisor is not None:
             logits = logits / self.logit_divisor
         if self.logit_softcap is not None:

@@ -252,9 +252,11 @@ class ModelRunner:
                 prompts.append(s.prompt_ids)
                 outputs.append([*s.output_ids, *draft[:d]] if d else s.output_ids)
                 allowed.append(s.allowed)
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
-        reduced = None  # the sampler's (argmax, logsumexp) pass, made here where it also finds the NaN rows
-        if logits.device.type == "cpu" and cpu_kernels.load():
+        # the sampler's (argmax, logsumexp) pass, made here where it also finds the NaN rows; on CPU it reads the
+        # head's bf16 or fp16 logits as they are (fp32 only where a draw, an edit or top_logprobs needs them)
+        reduced, kernel = None, self.device.type == "cpu" and cpu_kernels.load()
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)], fp32=not kernel)
+        if kernel:
             reduced = cpu_kernels.argmax_logsumexp(logits.contiguous())
         nan = nan_rows(logits, None if reduced is None else torch.isnan(reduced[1]))
         cut: dict[int, int] = {}  # a sequence's draws end before a draft row with NaN logits

@@ -85,7 +85,7 @@ def sample(
     allowed: Sequence[torch.Tensor | None] | None = None,
     reduced: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Sampled:
-    """Draw one token per row of `logits` [B, vocab] (float32).
+    """Draw one token per row of `logits` [B, vocab] (float32; or the model's bf16 or fp16 with `reduced`).
 
     `allowed[i]`, when given and not None, is row i's bitmask of the tokens it
     may draw (int32 words, bit j of word w allows token 32 * w + j; a grammar's
@@ -101,13 +101,18 @@ def sample(
     On CPU `cpu_kernels.argmax_logsumexp` gives the argmax and the logsumexp in
     one pass (0.6 ms over 64 x 49152 here, against 3.8 ms for max + log_softmax);
     elsewhere a per-row `log_softmax`. `reduced`: that pass's (argmax, logsumexp) of these very
-    logits where the caller made it already (the runner's NaN check reads the logsumexp).
+    logits where the caller made it already (the runner's NaN check reads the logsumexp); the logits
+    may then be in the model's bf16 or fp16, widened here unless every row is greedy, unedited and
+    without top_logprobs (such rows read only the argmax and a gathered logit: the same values).
     """
-    logits = logits.float()
+    plain = all(p.greedy and not p.top_logprobs and not p.has_penalties and not p.logit_bias for p in params) \
+        and (allowed is None or all(m is None for m in allowed))
+    if reduced is None or not plain:
+        logits = logits.float()  # (a no-op on fp32)
     raw = logits  # logprobs: the model's own distribution
     if reduced is not None:
         best, lse = reduced
-        logprobs_of = lambda ids: raw.gather(1, ids) - lse[:, None]  # noqa: E731
+        logprobs_of = lambda ids: raw.gather(1, ids).float() - lse[:, None]  # noqa: E731
     elif raw.device.type == "cpu" and cpu_kernels.load():
         best, lse = cpu_kernels.argmax_logsumexp(raw.contiguous())
         logprobs_of = lambda ids: raw.gather(1, ids) - lse[:, None]  # noqa: E731

@@ -7,7 +7,8 @@
 //   silu_mul(gate_up) -> silu(gate) * up, gate_up = [gate | up] per row
 //   rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> (q, k):
 //       rotates q and k (rotate-half), writes k and v into the cache rows `slots`
-//   argmax_logsumexp(logits) -> (first index of each row's max, its logsumexp: NaN where the row holds a NaN), fp32 rows
+//   argmax_logsumexp(logits) -> (first index of each row's max, its fp32 logsumexp: NaN where the row holds a NaN),
+//       rows of fp32, bf16 or fp16
 //
 // Rows are independent: a row's result does not depend on the batch.
 
@@ -169,11 +170,13 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
 }
 
-// per row of fp32 logits: the first index of its maximum, and log(sum(exp(x))) (max-shifted)
-void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, int64_t n) {
+// per row of logits (fp32, or bf16 / fp16 read as the floats they are): the first index of its maximum, and
+// log(sum(exp(x))) (max-shifted)
+template <typename T>
+void row_argmax_lse(const T* x, int64_t* index, float* lse, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * n;
+      const T* row = x + r * n;
       float top = -INFINITY;
       int64_t at = 0;
       int64_t i = 0;
@@ -203,8 +206,9 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
       }
 #endif
       for (; i < n; ++i) {
-        if (row[i] > top) top = row[i], at = i;
-        nan = nan || std::isnan(row[i]);
+        const float v = to_float(row[i]);
+        if (v > top) top = v, at = i;
+        nan = nan || std::isnan(v);
       }
       index[r] = at;
       float sum = 0.f;
@@ -215,7 +219,7 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
       for (; i + L <= n; i += L) lanes = vec::add(lanes, vec::exp(vec::sub(vec::load(row + i), m)));
       sum = vec::reduce_add(lanes);
 #endif
-      for (; i < n; ++i) sum += std::exp(row[i] - top);
+      for (; i < n; ++i) sum += std::exp(to_float(row[i]) - top);
       lse[r] = nan ? NAN : top + std::log(sum);
     }
   });
@@ -223,12 +227,14 @@ void row_argmax_lse(const float* x, int64_t* index, float* lse, int64_t rows, in
 
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
   check_cpu(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
-              "logits must be float32 [B, V]");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [B, V]");
   auto index = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
-  auto lse = at::empty({logits.size(0)}, logits.options());
-  row_argmax_lse(logits.data_ptr<float>(), index.data_ptr<int64_t>(), lse.data_ptr<float>(), logits.size(0),
-                 logits.size(1));
+  auto lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  dispatch(logits, "argmax_logsumexp", [&](auto tag) {
+    using T = decltype(tag);
+    row_argmax_lse<T>(logits.template data_ptr<T>(), index.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                      logits.size(0), logits.size(1));
+  });
   return {index, lse};
 }
 

@@ -279,6 +279,11 @@ def test_argmax_logsumexp_is_torchs(kernels, vocab):
     lse = cpu_kernels.argmax_logsumexp(logits)[1]
     assert torch.isnan(lse).tolist() == [False] * 4 + [True, True]  # as torch's (the runner's NaN check reads it)
     assert torch.isnan(torch.logsumexp(logits, dim=-1)[4:]).all()
+    for half in (torch.bfloat16, torch.float16):  # read as the floats they are: the bits of their fp32 copy
+        narrow = logits.to(half)
+        got, want = cpu_kernels.argmax_logsumexp(narrow), cpu_kernels.argmax_logsumexp(narrow.float())
+        assert torch.equal(got[0], want[0]) and got[1].dtype == torch.float32
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
 
 
 needs_gemm = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")

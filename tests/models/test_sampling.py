@@ -148,3 +148,26 @@ def test_logit_bias_and_an_allowed_mask_change_the_draw_not_the_logprobs():
     for _ in range(20):  # sampled rows stay inside the mask
         seeded = [SamplingParams(seed=s) for s in range(4)]
         assert sample(logits, seeded, [1] * 4, [()] * 4, [()] * 4, allowed=[only_5] * 4).token_ids == [5] * 4
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_logits_with_the_runners_reduction_draw_what_their_fp32_copy_draws(half):
+    """The runner hands the head's bf16 / fp16 logits and its argmax/logsumexp pass (`reduced`) to `sample`:
+    greedy rows read only those and a gathered logit, the others widen; every token, logprob and top
+    logprob is what the fp32 copy of the same logits gives."""
+    from models import cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("the CPU kernels do not build here: the runner widens the logits first")
+    logits = (3 * torch.randn(5, 1000, generator=torch.Generator().manual_seed(7))).to(half)
+    positions, prompts, outputs = [4] * 5, [[1, 2]] * 5, [[3]] * 5
+    batches = {
+        "greedy": [GREEDY] * 5,
+        "sampled": [GREEDY, SamplingParams(temperature=0.7, seed=3), GREEDY, GREEDY, GREEDY],
+        "top_logprobs": [GREEDY] * 4 + [SamplingParams(temperature=0.0, top_logprobs=3)],
+        "penalty": [GREEDY] * 4 + [SamplingParams(temperature=0.0, repetition_penalty=1.3)],
+    }
+    for name, params in batches.items():
+        got = sample(logits, params, positions, prompts, outputs, reduced=cpu_kernels.argmax_logsumexp(logits))
+        want = sample(logits.float(), params, positions, prompts, outputs)
+        assert (got.token_ids, got.logprobs, got.top_logprobs) == (want.token_ids, want.logprobs, want.top_logprobs), name

@@ -193,8 +193,8 @@ def test_the_runner_refuses_to_sample_nan_logits():
     pages = [runner.kv.allocate(1), runner.kv.allocate(1)]
     logits = runner.model.logits
 
-    def nan_in_row_1(hidden):
-        out = logits(hidden)
+    def nan_in_row_1(hidden, **options):
+        out = logits(hidden, **options)
         out[1] = float("nan")
         return out
 

@@ -368,8 +368,8 @@ def test_nan_logits_past_a_draft_token_reject_the_draft_there_and_before_it_end_
     real = runner.model.logits
     poisoned = []
 
-    def logits(hidden):
-        out = real(hidden)
+    def logits(hidden, **options):
+        out = real(hidden, **options)
         for row in poisoned:
             out[row] = float("nan")
         return out
