@@ -23,7 +23,7 @@ AVX2_TARGET = "x86-64-v3"
 KERNEL_TESTS = ["test_nibble_codes.py", "test_cpu_kernels.py", "test_gemm.py", "test_attention.py",
                 "test_decoder.py", "test_determinism.py"]
 
-@pytest.mark.slow  # a build of its own (~25 s the first time on a machine), then ~20 s of tests
+@pytest.mark.slow  # a build of its own (~25 s the first time on a machine), then ~35 s of tests
 @pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags().split(),
                     reason="the host has no AVX-512: its own build is the AVX2 one, which the suite tests")
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_host():
