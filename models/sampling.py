@@ -105,17 +105,14 @@ def sample(
     may then be in the model's bf16 or fp16, widened here unless every row is greedy, unedited and
     without top_logprobs (such rows read only the argmax and a gathered logit: the same values).
     """
-    plain = all(p.greedy and not p.top_logprobs and not p.has_penalties and not p.logit_bias for p in params) \
-        and (allowed is None or all(m is None for m in allowed))
-    if reduced is None or not plain:
+    if reduced is None or not _plain(params, allowed):
         logits = logits.float()  # (a no-op on fp32)
     raw = logits  # logprobs: the model's own distribution
+    if reduced is None and raw.device.type == "cpu" and cpu_kernels.load():
+        reduced = cpu_kernels.argmax_logsumexp(raw.contiguous())
     if reduced is not None:
         best, lse = reduced
         logprobs_of = lambda ids: raw.gather(1, ids).float() - lse[:, None]  # noqa: E731
-    elif raw.device.type == "cpu" and cpu_kernels.load():
-        best, lse = cpu_kernels.argmax_logsumexp(raw.contiguous())
-        logprobs_of = lambda ids: raw.gather(1, ids) - lse[:, None]  # noqa: E731
     else:
         best, table = None, torch.log_softmax(raw, dim=-1)
         logprobs_of = lambda ids: table.gather(1, ids)  # noqa: E731
@@ -140,6 +137,12 @@ def sample(
         for i, p in enumerate(params):
             top[i] = list(zip(ids[i, : p.top_logprobs].tolist(), values[i, : p.top_logprobs].tolist()))
     return Sampled(chosen.tolist(), chosen_logprobs.tolist(), top)
+
+
+def _plain(params, allowed) -> bool:
+    """Every row greedy, unedited (no penalty, bias or mask) and without top_logprobs: read the argmax alone."""
+    return all(p.greedy and not p.top_logprobs and not p.has_penalties and not p.logit_bias for p in params) \
+        and (allowed is None or all(m is None for m in allowed))
 
 
 def _apply_bias(logits, params):
