@@ -7,6 +7,7 @@ length, end to end (prefill included) in both engines, in the dtype the
 server would pick on this CPU (`--dtype auto`: bf16 with native bf16
 units, else fp32) unless told otherwise. transformers runs its padded `generate` with its default
 cache. tercet runs as the server does by default: deterministic (batch-invariant).
+`--int8` adds a column for the opt-in int8 activations mode (its ratio to the default).
 `--modes` adds two columns, each with its ratio to the default: the runner with the
 mode off (`deterministic=False`: prefill attention through SDPA, oneDNN's one-row
 kernel), and the mode on the torch path (no C++ kernels: split-KV attention and
@@ -81,6 +82,22 @@ def kv_budget(config, dtype, tokens: int) -> int:
     return max(DEFAULT_BUDGET_BYTES, per_token * tokens)
 
 
+def quantized(loaded):
+    """`loaded` with its matrices quantized as llama.cpp would (Q4_1, the embedding and LM head Q8_0) and
+    dequantized, as tercet loads such a GGUF: weights that are exactly block codes (the int8 mode's)."""
+    import dataclasses
+
+    from gguf import GGMLQuantizationType as Q, quants
+
+    def requantize(name, t):
+        if t.dim() != 2 or t.shape[1] % 32:
+            return t
+        kind = Q.Q8_0 if "embed" in name or "lm_head" in name else Q.Q4_1
+        return torch.from_numpy(quants.dequantize(quants.quantize(t.float().numpy(), kind), kind).copy())
+
+    return dataclasses.replace(loaded, state_dict={n: requantize(n, t) for n, t in loaded.state_dict.items()})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny random model, a few seconds")
@@ -94,6 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2)")
     parser.add_argument("--modes", action="store_true",
                         help="also measure the mode off and the mode on the torch path")
+    parser.add_argument("--int8", action="store_true",
+                        help="also measure the opt-in int8 activations mode (a GGUF's Q4_1 / Q8_0 weights; with "
+                             "--smoke the tiny model's weights quantized so first)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
@@ -103,6 +123,8 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype]
     machine = roofline.measure_machine(smoke=args.smoke)  # first, on a quiet process
     loaded = tiny_model() if args.smoke else load_model(args.model)
+    if args.smoke and args.int8:
+        loaded = quantized(loaded)
     batches = [int(b) for b in args.batches.split(",")]
     budget = kv_budget(loaded.config, dtype, max(max(batches) * (args.prompt_len + args.new_tokens), args.prefill_len))
     runner = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget)
@@ -111,6 +133,8 @@ def main(argv=None) -> int:
         others["off"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=False)
         others["torch"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, deterministic=True,
                                       kernels=False)
+    if args.int8:
+        others["int8"] = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=budget, int8_activations=True)
     costs = roofline.model_costs(runner, args.prompt_len + args.new_tokens // 2)
     print(machine.describe(), costs.describe(), sep="\n", file=sys.stderr)
     hf = to_transformers(loaded, dtype)

@@ -283,6 +283,37 @@ def block_linear(x, codes, scales, offsets, out_features: int, bias=None):
     return torch.ops.tercet.block_linear(x, codes, scales, offsets, out_features, bias)
 
 
+def pack_i8_codes(codes, scales, offsets) -> list:
+    """`pack_block_codes`' compact codes (0..15 nibbles uint8 [P, K/2, 16] or int8 [P, K, 16]) -> the layout of
+    `i8_block_linear`: panels of 8 outputs, a block's codes as 8 steps of 4 k ([P8, K/32, 128] uint8 nibbles or
+    [P8, K/32, 256] int8; scales and offsets [P8, K/32, 8]); [] for codes it does not take (signed nibbles, octets,
+    an int8 code of -128). See csrc/gemm_i8.cpp."""
+    return torch.ops.tercet.pack_i8_codes(codes, scales, offsets)
+
+
+def i8_block_linear(x, codes, scales, offsets, out_features: int, bias=None):
+    """x [M, K] (fp32 or bf16) W^T (+ bias) with each row of x rounded to int8 codes per block of 32 k (one fp32
+    scale a block, as llama.cpp's Q8_1 activations): exact integer products a block, one fp32 sum per output over
+    the blocks in order; a row's bits do not depend on the batch. Not the exact path's bits: the int8 mode only."""
+    return torch.ops.tercet.i8_block_linear(x, codes, scales, offsets, out_features, bias)
+
+
+def i8_block_linear_reference(x, codes, scales, offsets, out_features: int, bias=None):
+    """`i8_block_linear` through its scalar path (the vector path's bits; tests)."""
+    return torch.ops.tercet.i8_block_linear_reference(x, codes, scales, offsets, out_features, bias)
+
+
+def quantize_rows_i8(x) -> list:
+    """fp32 x [M, K] -> [codes int8 [M, K], dx [M, K/32], sx [M, K/32]]: per block of 32 k, dx = amax / 127,
+    codes = nearest(x * 127 / amax), sx = dx * sum(codes); a block with an inf or NaN: codes 0, dx = sx = NaN."""
+    return torch.ops.tercet.quantize_rows_i8(x)
+
+
+def i8_vector_build() -> bool:
+    """Whether `i8_block_linear` has its AVX2 path in this build (else the scalar one serves, the same bits)."""
+    return load() and torch.ops.tercet.i8_vector_build()
+
+
 def pack_bf16_weight(weight):
     """bf16 W [N, K] -> panels of 16 output columns, k in pairs [ceil(N/16), ceil(K/2), 32] bf16, for
     `bf16_linear` (packs on any CPU; see csrc/gemm_bf16.cpp)."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import cpu_kernels, families, invariant, probes
 from .attention import AttentionPlan, KernelAttention, attend
 from .errors import ModelLoadError
-from .projections import Bf16BlockCodeLinear, Linear, UpcastPanelLinear
+from .projections import Bf16BlockCodeLinear, Int8BlockCodeLinear, Linear, UpcastPanelLinear, int8_block_codes
 from .rotary import RotaryTable
 from .split_attention import tanh_cap
 
@@ -153,6 +153,8 @@ class _Layer:
         pack = model.packed
 
         def linear(weight, bias=None):
+            if (lin := model.int8_code_linear(weight, bias)) is not None:
+                return lin
             if model.upcast_panels:
                 return UpcastPanelLinear(weight, bias, model.dtype)
             if model.codes and model.dtype == torch.bfloat16:
@@ -166,7 +168,7 @@ class _Layer:
             return Linear(weight, bias, pack, keep_dense=keep, kernel=model.kernel, codes=model.codes,
                           dtype=model.dtype)
 
-        stored = model.codes  # the projections' weights as stored: Linear looks for block codes in them
+        stored = model.codes or model.int8_activations  # the weights as stored: Linear looks for block codes in them
         self.qkv = linear(w.cat([f"{a}.{p}_proj.weight" for p in "qkv"], stored=stored),
                           w.cat([f"{a}.{p}_proj.bias" for p in "qkv"], required=False))
         self.o = linear(w.get(f"{a}.o_proj.weight", stored=stored), w.get(f"{a}.o_proj.bias", required=False))
@@ -228,10 +230,11 @@ class CausalLM:
 
     def __init__(self, config, state_dict, dtype=torch.bfloat16, device="cpu", upcast=False,
                  packed: bool | None = None, kernel: bool | None = None, codes: bool | None = None,
-                 invariant: bool = False, fused: bool = False) -> None:
+                 invariant: bool = False, fused: bool = False, int8_activations: bool = False) -> None:
         """`invariant`: every projection gives a row the same bits whatever the number of rows
         (`_make_invariant`), the runner's deterministic mode; `fused`: the layers' elementwise steps
-        through tercet's fused C++ ops (`_fused_forward`)."""
+        through tercet's fused C++ ops (`_fused_forward`); `int8_activations`: projections whose weights are
+        Q4_1 or Q8_0 block codes multiply int8 activations (`Int8BlockCodeLinear`: not the exact path's outputs)."""
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -270,6 +273,10 @@ class CausalLM:
         # with the kernel, weights that are exactly block codes (a GGUF's Q4_1 / Q8_0, dequantized) are
         # kept so: the same products, a third of the bytes (Linear; batch 1 32.8 -> 50.4 tok/s here)
         self.codes = self.kernel and (codes is None or codes)
+        # the opt-in int8 mode: its projections are GGUF block codes times int8 activations (csrc/gemm_i8.cpp);
+        # the weights are read as stored to find their codes; those that are not such codes keep the path above
+        self.int8_activations = int8_activations
+        self.int8_projections = 0  # how many serve so
         self.dense_budget = DENSE_BUDGET_BYTES  # what second copies of weights may take (Linear)
         if family.weights is not None:
             state_dict = family.weights(state_dict, config)
@@ -291,17 +298,31 @@ class CausalLM:
                              and all(layer.rope == "default" for layer in self.layers))
         self.windowed = [i for i, layer in enumerate(self.layers) if layer.window or layer.softcap]
         self._fallback_logged = False  # (`_log_fallback`)
-        head = w.get("lm_head.weight", required=False, stored=self.codes)
-        if head is None and self.codes:  # tied embeddings: the head's codes in the stored embedding
+        stored = self.codes or int8_activations
+        head = w.get("lm_head.weight", required=False, stored=stored)
+        if head is None and stored:  # tied embeddings: the head's codes in the stored embedding
             head = w.get("model.embed_tokens.weight", stored=True)
         head = self.embed if head is None else head  # (tied embeddings)
-        self.lm_head = (UpcastPanelLinear(head, None, dtype) if self.upcast_panels
-                        else self.bf16_code_linear(head) if self.codes and dtype == torch.bfloat16
-                        else Linear(head, None, self.packed, kernel=self.kernel, codes=self.codes, dtype=dtype))
+        self.lm_head = self.int8_code_linear(head)
+        if self.lm_head is None:
+            self.lm_head = (UpcastPanelLinear(head, None, dtype) if self.upcast_panels
+                            else self.bf16_code_linear(head) if self.codes and dtype == torch.bfloat16
+                            else Linear(head, None, self.packed, kernel=self.kernel, codes=self.codes, dtype=dtype))
         self._share_code_rows()
         if invariant:
             self._make_invariant()
         self.decoder = self._make_decoder()
+
+    def int8_code_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8BlockCodeLinear | None:
+        """W as block codes times int8 activations where the int8 mode is on and W is exactly codes that
+        `Int8BlockCodeLinear` takes; else None (the caller's path serves)."""
+        if not self.int8_activations:
+            return None
+        found = int8_block_codes(weight)
+        if not found:
+            return None
+        self.int8_projections += 1
+        return Int8BlockCodeLinear(found, weight.shape[0], None if bias is None else bias.to(self.dtype))
 
     def bf16_code_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A bf16 projection of W as stored: block codes where W is exactly such codes, their bf16
@@ -331,9 +352,12 @@ class CausalLM:
         """tercet's kernel is invariant as it is; oneDNN's prepacked products are where this machine
         shows them so from two rows on (`probes.onednn_invariant`: one-row products padded to two);
         anything else multiplies in fixed tiles of rows (`invariant.tiled_linear`, ~2x slower)."""
-        paths = {"tercet's kernel": 0, "oneDNN, one row padded to two": 0, "fixed row tiles": 0}
+        paths = {"tercet's int8 kernel": 0, "tercet's kernel": 0, "oneDNN, one row padded to two": 0,
+                 "fixed row tiles": 0}
         for lin in self.projections():
-            if lin.invariant_by_itself:
+            if isinstance(lin, Int8BlockCodeLinear):
+                paths["tercet's int8 kernel"] += 1
+            elif lin.invariant_by_itself:
                 paths["tercet's kernel"] += 1
             elif (lin.packed is not None and not self.upcast
                   and probes.onednn_invariant(self.dtype, self.device, lin.weight is not None, lin.shape)):

@@ -10,7 +10,9 @@
 - `Bf16PanelLinear`: tercet's bf16 kernel (AVX512_BF16, `cpu_kernels.bf16_linear`);
 - `Bf16BlockCodeLinear`: the bf16 kernel over fp32 weights that are exactly GGUF block codes
   (`cpu_kernels.bf16_block_linear`), each weight rounded to bf16 as it goes: the bf16 panels' bits
-  at every number of rows, 0.625 bytes a weight for Q4_1 instead of 2.
+  at every number of rows, 0.625 bytes a weight for Q4_1 instead of 2;
+- `Int8BlockCodeLinear`: GGUF block codes times int8 activations (`cpu_kernels.i8_block_linear`, the
+  opt-in int8 mode: not the exact path's bits, ~2x its products on an AVX2 CPU).
 
 `Linear(...)` picks the class. Which storage pays on a machine is timed at start-up in
 `probes.py`; why, with the figures measured, is in docs/cpu-performance.md.
@@ -247,6 +249,51 @@ class Bf16BlockCodeLinear(BlockCodeLinear):
         if self.code_rows is None:
             return 3, list(self.codes), -1
         return 3, [*self.codes, self.panels], self.code_rows
+
+
+class Int8BlockCodeLinear(Projection):
+    """GGUF block codes (0..15 nibbles or int8, `cpu_kernels.pack_i8_codes`) multiplied with int8 activations, the
+    opt-in `int8_activations` mode (csrc/gemm_i8.cpp): each row of x rounded to int8 codes per block of 32 k, a
+    block's products exact integers, one fp32 sum per output over the blocks in order, so invariant by itself.
+    Not the exact path's bits (x is rounded to 8 bits a block, as llama.cpp's Q8_1 activations); the output in x's
+    dtype (fp32 or bf16), with no upcast path: every product through the kernel."""
+
+    invariant_by_itself = True
+
+    def __init__(self, codes: list[torch.Tensor], out_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__((out_features, codes[1].shape[1] * BLOCK), bias)
+        self.codes = codes
+
+    def dense(self) -> torch.Tensor:
+        codes, scales, offsets = self.codes  # [P, B, 128 | 256], [P, B, 8] twice
+        panels, blocks = scales.shape[:2]
+        if codes.dtype == torch.uint8:  # a 32-byte row holds steps 2t (low nibbles) and 2t + 1 (high)
+            raw = codes.view(panels, blocks, 4, 1, 32).int()
+            q = torch.cat([raw & 15, raw >> 4], dim=3)  # [P, B, 4, 2, 32] -> steps 2t + h
+        else:
+            q = codes.int()
+        q = q.reshape(panels, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(panels, 8, blocks, BLOCK)
+        w = q.float() * scales.float().transpose(1, 2)[..., None] + offsets.float().transpose(1, 2)[..., None]
+        return w.reshape(panels * 8, blocks * BLOCK)[: self.out_features].contiguous()
+
+    def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+        return cpu_kernels.i8_block_linear(x, *self.codes, self.out_features, None)
+
+    def _product(self, x, bias):
+        return cpu_kernels.i8_block_linear(x, *self.codes, self.out_features, bias)
+
+    def __call__(self, x: torch.Tensor, upcast: bool = False, tile: int | None = None) -> torch.Tensor:
+        return self._product(x, self.bias)  # (every row alike: no tiles, no padding, no other path)
+
+    def decoder_form(self):
+        return 4, list(self.codes), -1
+
+
+def int8_block_codes(weight: torch.Tensor) -> list[torch.Tensor]:
+    """W's block codes in `Int8BlockCodeLinear`'s layout, or [] where W is not exactly codes it takes (Q4_1's 0..15
+    or Q8_0's int8; not Q4_0's signed nibbles)."""
+    found = cpu_kernels.pack_block_codes(weight.float())
+    return cpu_kernels.pack_i8_codes(*found) if found else []
 
 
 def fp32_block_codes(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -132,9 +132,14 @@ class ModelRunner:
         kv_budget_bytes: int = DEFAULT_BUDGET_BYTES,
         deterministic: bool | None = None,
         kernels: bool = True,
+        int8_activations: bool = False,
     ) -> None:
         """`deterministic`: None (the default) means on CPU, off elsewhere. `kernels`: False keeps
-        tercet's C++ kernels out of this runner (the torch path, as where they cannot be built)."""
+        tercet's C++ kernels out of this runner (the torch path, as where they cannot be built).
+        `int8_activations`: the opt-in int8 mode (models/projections.py `Int8BlockCodeLinear`): projections
+        whose weights are GGUF Q4_1 or Q8_0 block codes multiply activations rounded to int8 per block of 32,
+        as llama.cpp does; not the exact path's outputs, still batch-invariant. A ValueError where it cannot
+        serve (not CPU, no kernels, no such codes in the model)."""
         self.device = torch.device(device)
         if self.device.type == "cpu":
             tune_malloc()
@@ -159,9 +164,16 @@ class ModelRunner:
         self.weights_digest = weights_digest(model.state_dict)  # which weights serve (reported, compared)
         self.max_context_len = families.context_limit(model.config)
         upcast = self.device.type == "cpu" and not cpu_has_bf16()
+        if int8_activations and not self.cpu_kernel:
+            raise ValueError("int8 activations need tercet's CPU kernels on a CPU device "
+                             f"({self.device.type}{'' if self.device.type != 'cpu' else ', kernels unavailable'})")
         self.model = CausalLM(model.config, model.state_dict, dtype, self.device, upcast,
                               kernel=None if self.cpu_kernel else False, invariant=deterministic,
-                              fused=self.cpu_kernel)
+                              fused=self.cpu_kernel, int8_activations=int8_activations)
+        self.int8_activations = int8_activations
+        if int8_activations and not self.model.int8_projections:
+            raise ValueError("int8 activations need weights that are GGUF Q4_1 or Q8_0 block codes "
+                             "(a Q4_1 / Q8_0 GGUF); this model has none")
         self.kv = KVCache(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim, dtype=dtype, device=self.device,
@@ -204,7 +216,10 @@ class ModelRunner:
         previous = self.model
         try:
             self.model = CausalLM(loaded.config, loaded.state_dict, self.dtype, self.device, self.model.upcast,
-                                  invariant=self.deterministic, fused=self.cpu_kernel)
+                                  invariant=self.deterministic, fused=self.cpu_kernel,
+                                  int8_activations=self.int8_activations)
+            if self.int8_activations and not self.model.int8_projections:
+                raise ValueError("the int8 mode needs weights that are Q4_1 or Q8_0 block codes; these have none")
             self.probe()
         except Exception as exc:  # noqa: BLE001 - weights that load but cannot step: never committed
             self.model = previous

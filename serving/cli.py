@@ -40,6 +40,7 @@ OVERRIDES = {
     "tokenizer": "model.tokenizer",
     "dtype": "model.dtype",
     "device": "model.device",
+    "activations": "model.activations",
     "served_model_name": "model.served_model_name",
     "host": "server.host",
     "port": "server.port",
@@ -96,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
                          help="a directory /update_weights_from_disk may load from (besides the model's own); repeatable")
     serve_p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
     serve_p.add_argument("--device", help="auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N")
+    serve_p.add_argument("--activations", choices=["exact", "int8"],
+                         help="int8: a Q4_1 / Q8_0 GGUF's projections multiply int8 activations, as llama.cpp does "
+                              "(~2x the products on CPU; not the exact outputs, still deterministic); default exact")
     serve_p.add_argument("--max-running-requests", type=int)
     serve_p.add_argument("--max-queued-requests", type=int)
     serve_p.add_argument("--chunked-prefill-size", type=int)

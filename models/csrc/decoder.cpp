@@ -9,7 +9,8 @@
 // The projections are held as the Python classes keep them (models/projections.py), one `kind` each:
 //   0 fp32 panels (packed_linear), 1 fp32 block codes (block_linear),
 //   2 bf16 panels (bf16_linear), 3 bf16 block codes (bf16_block_linear), with their bf16 panels
-//   beside them for products of more than `code_rows` rows (-1: every product from the codes).
+//   beside them for products of more than `code_rows` rows (-1: every product from the codes),
+//   4 block codes with int8 activations (i8_block_linear, gemm_i8.cpp: the opt-in int8 mode).
 // Four a layer in this order: qkv, o, gate_up, down.
 //
 //   Decoder(heads, kv_heads, head_dim, eps, scale)
@@ -34,7 +35,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-enum Kind : int64_t { kPanels = 0, kCodes = 1, kBf16Panels = 2, kBf16Codes = 3 };
+enum Kind : int64_t { kPanels = 0, kCodes = 1, kBf16Panels = 2, kBf16Codes = 3, kInt8Codes = 4 };
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
@@ -58,6 +59,7 @@ struct Ops {
   c10::TypedOperatorHandle<CodeLinear> bf16_block_linear = op<CodeLinear>("tercet::bf16_block_linear");
   c10::TypedOperatorHandle<Linear> bf16_linear_silu = op<Linear>("tercet::bf16_linear_silu");
   c10::TypedOperatorHandle<CodeLinear> bf16_block_linear_silu = op<CodeLinear>("tercet::bf16_block_linear_silu");
+  c10::TypedOperatorHandle<CodeLinear> i8_block_linear = op<CodeLinear>("tercet::i8_block_linear");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("tercet::add_rms_norm_");
   c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("tercet::silu_mul");
   c10::TypedOperatorHandle<RopeStore> rope_store = op<RopeStore>("tercet::rope_store");
@@ -80,6 +82,7 @@ struct Projection {
       case kPanels: return o.packed_linear.call(x, t[0], n, bias);
       case kCodes: return o.block_linear.call(x, t[0], t[1], t[2], n, bias);
       case kBf16Panels: return o.bf16_linear.call(x, t[0], n, bias);
+      case kInt8Codes: return o.i8_block_linear.call(x, t[0], t[1], t[2], n, bias);
       default:  // kBf16Codes (checked in add_projection)
         if (code_rows >= 0 && x.size(0) > code_rows) return o.bf16_linear.call(x, t[3], n, bias);
         return o.bf16_block_linear.call(x, t[0], t[1], t[2], n, bias);
@@ -117,8 +120,10 @@ class Decoder : public torch::CustomClassHolder {
   }
 
   void add_projection(int64_t kind, int64_t n, int64_t code_rows, std::vector<Tensor> tensors, OptTensor bias) {
-    const size_t want = kind == kPanels || kind == kBf16Panels ? 1 : kind == kCodes ? 3 : code_rows >= 0 ? 4 : 3;
-    TORCH_CHECK(kind >= kPanels && kind <= kBf16Codes && tensors.size() == want,
+    const size_t want = kind == kPanels || kind == kBf16Panels ? 1
+                        : kind == kCodes || kind == kInt8Codes ? 3
+                        : code_rows >= 0 ? 4 : 3;
+    TORCH_CHECK(kind >= kPanels && kind <= kInt8Codes && tensors.size() == want,
                 "Decoder: projection kind ", kind, " with ", tensors.size(), " tensors");
     TORCH_CHECK(!layers_.empty() && projections_.size() < 4 * layers_.size(), "Decoder: a projection without its layer");
     projections_.push_back({kind, n, code_rows, std::move(tensors), std::move(bias)});

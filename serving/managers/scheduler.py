@@ -63,6 +63,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # a path; None = the embedded SmolLM2; "tiny" = a tiny random model
     dtype: str = "auto"  # auto: the fastest for the device (models.runner.default_dtype)
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when torch sees a GPU)
+    activations: str = "exact"  # "int8": the opt-in int8 mode (models.runner.ModelRunner's int8_activations)
     page_size: int = 1
     kv_budget_bytes: int = 1 << 30
     max_running_requests: int = 64
@@ -95,15 +96,21 @@ def build_runner(config: SchedulerConfig) -> ModelRunner:
     deterministic = config.deterministic and torch.device(device).type == "cpu"
     if config.deterministic and not deterministic:
         log.warning("deterministic inference is measured on CPU only: off on %s", device)
-    runner = ModelRunner(loaded, dtype=dtype, device=device,
-                         page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
-                         deterministic=deterministic)
+    try:
+        runner = ModelRunner(loaded, dtype=dtype, device=device,
+                             page_size=config.page_size, kv_budget_bytes=config.kv_budget_bytes,
+                             deterministic=deterministic, int8_activations=config.activations == "int8")
+    except ValueError as exc:
+        if config.activations == "int8":  # (the start fails, saying why and which setting)
+            raise ValueError(f"model.activations: int8: {exc}") from None
+        raise
     projections = runner.model.projections()
     coded = sum(lin.codes is not None for lin in projections)
     tiles = runner.dtype == torch.bfloat16 and runner.model.kernel and cpu_kernels.bf16_amx_serves()
     amx = "; AMX tiles for 4-bit codes at every row count, other products from 4 rows" if tiles else ""
+    int8 = f", {runner.model.int8_projections} with int8 activations" if runner.int8_activations else ""
     gemm = (f", tercet's {str(runner.dtype).removeprefix('torch.')} GEMM ({coded} of {len(projections)} projections "
-            f"as GGUF block codes{amx})"
+            f"as GGUF block codes{int8}{amx})"
             if runner.model.kernel else ", prepacked weights" if runner.model.packed else "")
     log.info("model runner: %s (dtype %s), %s, %d threads%s%s; deterministic inference %s", runner.dtype,
              config.dtype, runner.device, torch.get_num_threads(), ", CPU kernels" if runner.cpu_kernel else "", gemm,

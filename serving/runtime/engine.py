@@ -86,6 +86,7 @@ def topology_for(model: str | None, *, processes: bool = False, **scheduler_opti
     kv = scheduler_options.pop("kv_budget_bytes", None)
     dtype = scheduler_options.pop("dtype", "auto")
     device = scheduler_options.pop("device", "auto")
+    activations = scheduler_options.pop("activations", "exact")
     scheduler = msgspec.convert(scheduler_options, SchedulerSection)
     if kv is not None:
         scheduler = msgspec.structs.replace(scheduler, kv_budget=kv)
@@ -93,7 +94,8 @@ def topology_for(model: str | None, *, processes: bool = False, **scheduler_opti
         Placement(scheme + "scheduler", where), Placement(scheme + "detokenizer", where),
         Placement(scheme + "tokenizer", "main"),
     )
-    return Topology(model=ModelSection(path=model, dtype=dtype, device=device), scheduler=scheduler, actors=actors)
+    return Topology(model=ModelSection(path=model, dtype=dtype, device=device, activations=activations),
+                    scheduler=scheduler, actors=actors)
 
 
 @asynccontextmanager

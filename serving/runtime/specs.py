@@ -32,7 +32,8 @@ def scheduler_config(topology: Topology, detokenizer: str) -> SchedulerConfig:
     """What a scheduler of ``topology`` is started with (sending its outputs to ``detokenizer``)."""
     s, model = topology.scheduler, topology.model
     return SchedulerConfig(
-        model=model.path, dtype=model.dtype, device=model.device, page_size=s.page_size,
+        model=model.path, dtype=model.dtype, device=model.device, activations=model.activations,
+        page_size=s.page_size,
         kv_budget_bytes=parse_size(s.kv_budget, "scheduler.kv_budget"),
         max_running_requests=s.max_running_requests, max_queued_requests=s.max_queued_requests,
         chunked_prefill_size=s.chunked_prefill_size, schedule_policy=s.schedule_policy,

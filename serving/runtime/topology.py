@@ -40,6 +40,10 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True):
     # auto: the first CUDA device when torch sees one (in the scheduler's process), else the CPU
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     served_model_name: str | None = None
+    # int8: the projections whose weights are a GGUF's Q4_1 or Q8_0 block codes multiply activations rounded to
+    # int8 per block of 32 (as llama.cpp does): ~2x the exact path's products on CPU, not its outputs (still
+    # batch-invariant); needs tercet's CPU kernels and such a GGUF. exact: every product as the weights give it
+    activations: Literal["exact", "int8"] = "exact"
 
 
 class ServerSection(msgspec.Struct, forbid_unknown_fields=True):
@@ -207,6 +211,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True):
     def check(self) -> None:
         problems = [
             (self.server.workers >= 1, "server.workers", "must be >= 1"),
+            (self.model.activations == "exact" or not self.model.device.startswith("cuda"), "model.activations",
+             "int8 runs on CPU only (model.device is a CUDA device)"),
             (0 < self.server.port < 65536, "server.port", "must be in 1..65535"),
             (self.scheduler.page_size >= 1, "scheduler.page_size", "must be >= 1"),
             (self.scheduler.max_running_requests >= 1, "scheduler.max_running_requests", "must be >= 1"),

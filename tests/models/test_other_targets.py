@@ -21,7 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 AVX2_TARGET = "x86-64-v3"
 KERNEL_TESTS = ["test_nibble_codes.py", "test_cpu_kernels.py", "test_gemm.py", "test_attention.py",
-                "test_decoder.py", "test_determinism.py"]
+                "test_decoder.py", "test_determinism.py", "test_int8_activations.py"]
+# int8 activations (csrc/gemm_i8.cpp): a product whose bits both builds must give (AVX2's vpmaddubsw, the host's
+# VNNI where it has it: the same integers, the same fp32 roundings)
+INT8_PRODUCT = ("import sys, hashlib, torch; sys.path.insert(0, 'tests/models'); from gguf_weights import quantized; "
+                "from models import cpu_kernels as c; from models.projections import int8_block_codes; c.load(); "
+                "x = torch.randn(70, 576, generator=torch.Generator().manual_seed(7)); "
+                "ys = [c.i8_block_linear(x, *int8_block_codes(quantized(200, 576, kind)), 200) for kind in ('q4_1', 'q8_0')]; "
+                "print(hashlib.sha256(b''.join(y.numpy().tobytes() for y in ys)).hexdigest())")
 
 @pytest.mark.slow  # a build of its own (~25 s the first time on a machine), then ~35 s of tests
 @pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags().split(),
@@ -34,6 +41,9 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_host():
                            cwd=ROOT)
     # loaded, the AVX2 build's own layout (octets), no AVX512_BF16 kernel: the older target, not the host's
     assert built.stdout.split() == ["True", "True", "False"], built.stderr[-2000:]
+    products = [subprocess.run([sys.executable, "-c", INT8_PRODUCT], capture_output=True, text=True, timeout=300,
+                               env=e, cwd=ROOT) for e in (env, os.environ)]
+    assert products[0].stdout == products[1].stdout and len(products[0].stdout) == 65, [p.stderr[-1000:] for p in products]
     tests = [str(ROOT / "tests" / "models" / name) for name in KERNEL_TESTS]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                          capture_output=True, text=True, timeout=570, env=env, cwd=ROOT)

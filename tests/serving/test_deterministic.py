@@ -111,3 +111,40 @@ async def test_smollm2_streams_are_identical_run_to_run_and_through_three_kills(
         info = (await client.get("/server_info")).json()
     assert info["restarts"]["scheduler"] == 3
     assert {rid.removesuffix("-k"): v for rid, v in killed.items()} == first  # 16 of 16, none failed
+
+
+@pytest.mark.slow
+async def test_the_int8_mode_keeps_its_streams_through_a_kill_and_says_it_serves(nursery):
+    """`--activations int8` on the embedded Q4_1 GGUF: every projection multiplies int8 activations (the server
+    says so), greedy streams are identical run to run and through a SIGKILL of the scheduler in flight, since
+    the int8 kernel is batch-invariant too; and its text is not the exact mode's (another arithmetic)."""
+    url, app = await start_server(nursery, "default", **SMOL, **{"model.activations": "int8"})
+    bodies = [{"text": p, "rid": f"i8-{i}", "sampling_params": {"max_new_tokens": 64, "temperature": 0.0,
+                                                                "ignore_eos": True}} for i, p in enumerate(PROMPTS[:8])]
+    tm = app.state.server.runtime.tokenizer_manager
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        info = (await client.get("/server_info")).json()
+        assert info["scheduler"]["activations"] == "int8"
+        assert info["invariance"]["projections"] == {"tercet's int8 kernel": 121}  # SmolLM2: 30 x 4 and the head
+        first, killed = {}, {}
+        await run_all(client, bodies, True, first)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(run_all, client, [{**b, "rid": b["rid"] + "-k"} for b in bodies], True, killed)
+            with trio.fail_after(600):
+                while sum(len(s.output_ids) for s in tm.rid_to_state.values()) < 64 * len(bodies) // 2:
+                    await trio.sleep(0.01)
+            await app.state.server.runtime.status.started("scheduler", 1)
+            os.kill(scheduler_pid(app), signal.SIGKILL)
+        info = (await client.get("/server_info")).json()
+    assert info["restarts"]["scheduler"] == 1
+    assert {rid.removesuffix("-k"): v for rid, v in killed.items()} == first  # 8 of 8, none failed
+    async with open_engine(None) as engine:  # the exact mode on the same prompts: other tokens somewhere
+        exact = await engine.generate([p for p in PROMPTS[:8]], {**GREEDY, "max_new_tokens": 64})
+    assert [r["text"] for r in exact] != [first[f"i8-{i}"][0] for i in range(8)]
+
+
+async def test_the_int8_mode_on_a_model_without_block_codes_fails_the_start_naming_the_setting():
+    refused = pytest.RaisesExc(Exception, match="model.activations: int8: .*Q4_1 or Q8_0 block codes")
+    with pytest.RaisesGroup(refused, flatten_subgroups=True):
+        async with open_engine("tiny", activations="int8"):
+            pass

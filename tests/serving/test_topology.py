@@ -175,3 +175,15 @@ def test_child_processes_get_the_configured_start_and_load_timeouts_and_the_sche
         load_topology("default", {"watchdogs.start_timeout": 0})
     with pytest.raises(TopologyError, match="watchdogs.load_timeout"):
         load_topology("default", {"watchdogs.load_timeout": -1})
+
+
+def test_activations_flag_reaches_the_scheduler_and_int8_on_cuda_is_refused_naming_the_field():
+    topology = topology_from(parser().parse_args(["serve", "--activations", "int8"]))
+    assert topology.model.activations == "int8"
+    assert scheduler_config(topology, "inproc://d").activations == "int8"
+    assert load_topology("default").model.activations == "exact"
+    assert scheduler_config(load_topology("default"), "inproc://d").activations == "exact"
+    with pytest.raises(TopologyError, match="model.activations: int8 runs on CPU only"):
+        topology_from(parser().parse_args(["serve", "--activations", "int8", "--device", "cuda"]))
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        parser().parse_args(["serve", "--activations", "int4"])

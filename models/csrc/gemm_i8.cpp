@@ -1,0 +1,468 @@
+// Block-coded projections with int8 activations (the opt-in `int8_activations` mode): y = x W^T (+ b) where W is
+// GGUF block codes (w = q * d + m per 32 k, as pack_block_codes finds them) and each row of x is rounded, per block
+// of 32 k, to int8 codes qx with one fp32 scale dx (x ~ qx * dx), as llama.cpp multiplies its Q4 and Q8 weights
+// (its Q8_1 activations). A block's products are then exact integers:
+//
+//   sum_k w_k x_k ~ d dx sum_k q_k qx_k + m sx,  sx = dx sum_k qx_k
+//
+// Why: the exact fp32 path rebuilds each weight and multiplies it in fp32, two FMAs a weight and output row; on an
+// AVX2 CPU without bf16 units that is the floor (a Zen 3 EPYC: one row at ~55 % of the memory bound, 64 rows at
+// ~85 % of the fp32 FMA peak). Here 32 products of a 4-bit code and an int8 take one vpmaddubsw and one 16-bit add,
+// and a block's fp32 work is two FMAs per output and row. It changes the outputs (the activations are rounded to
+// 8 bits, ~0.4 % of a block's largest value), which is why it is a mode of its own, off by default.
+//
+// The bits: each (row, output) is one fp32 accumulator fed block after block in order, y = fma(float(isum_b),
+// d_b * dx_b, y) then y = fma(m_b, sx_b, y), with isum_b an exact integer; a row's codes depend on that row alone.
+// So a row's result does not depend on the other rows, their number, the tiling or the threads (batch-invariant),
+// and the scalar path (`reference`, and builds without AVX2) gives the vector path's bits.
+//
+// Layout (pack_i8_codes, from pack_block_codes' compact codes): panels of 8 outputs, a block's codes as 8 steps of
+// 4 k, each step 32 bytes (output j's 4 codes at bytes 4j..4j+3):
+//   - 0..15 codes (Q4_1): two steps a 32-byte row, step 2t in the low nibbles, 2t + 1 in the high ones:
+//     uint8 [N/8, K/32, 128];
+//   - int8 codes (Q8_0): int8 [N/8, K/32, 256];
+//   - d and m: [N/8, K/32, 8], fp16 where pack_block_codes found them so (a GGUF's), else fp32.
+// vpmaddubsw adds a pair of products in 16 bits with saturation: |q qx| <= 15 * 127 for 0..15 codes, so a block's
+// 16 products a lane (3810 * 8 = 30480) fit without it; int8 codes (|q| <= 127: 2 * 127 * 127 = 32258 a pair) go
+// through vpmaddwd every step. Codes of -128 are refused at packing (their pair could saturate).
+//
+//   pack_i8_codes(codes, scales, offsets) -> [codes, scales, offsets] in this layout, or [] for codes it does not
+//     take (signed nibbles, octets)
+//   i8_block_linear(x [M, K] fp32 or bf16, codes, scales, offsets, n, bias?) -> y [M, n] in x's dtype
+//   i8_block_linear_reference(...): the same through the scalar path
+//   quantize_rows_i8(x [M, K]) -> [qx int8 [M, K], dx [M, K/32], sx [M, K/32]]: the activations' codes
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TERCET_I8 1
+#include <immintrin.h>
+#else
+#define TERCET_I8 0
+#endif
+// AVX512-VNNI (with VL: its 256-bit forms): the products' integer sums in one instruction, the same integers
+#if TERCET_I8 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TERCET_VNNI 1
+#else
+#define TERCET_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 8;    // outputs per panel
+constexpr int64_t kGroup = 32;   // k per block
+constexpr int64_t kRowTile = 4;  // rows per register block (many rows)
+constexpr int64_t kRowBlock = 64;  // rows whose codes stay in L2 while a thread's panels pass
+
+inline float scale_of(float s) { return s; }
+inline float scale_of(c10::Half s) { return static_cast<float>(s); }
+
+// ---- the activations' codes: per row and block, dx = amax / 127, qx = nearest(x * (127 / amax)), sx = dx * sum qx;
+// a block holding an inf or a NaN gets dx = sx = NaN (its rows' outputs are NaN, as the fp32 path's), codes 0
+
+template <typename T>
+void quantize_block_scalar(const T* x, int8_t* q, float* dx, float* sx) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float v = static_cast<float>(x[i]);
+    finite = finite && std::isfinite(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  if (!finite) {
+    std::memset(q, 0, kGroup);
+    *dx = *sx = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float r = std::nearbyint(static_cast<float>(x[i]) * inv);  // to nearest even, as vcvtps2dq
+    const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+    q[i] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  *dx = amax / 127.f;
+  *sx = *dx * static_cast<float>(sum);
+}
+
+#if TERCET_I8
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+template <typename T>
+void quantize_block(const T* x, int8_t* q, float* dx, float* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
+  __m256 v[4], amax = zero, probe = zero;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    probe = _mm256_add_ps(probe, _mm256_mul_ps(v[i], zero));  // NaN where a lane held an inf or a NaN
+  }
+  const float m = hmax(amax);
+  if (_mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q))) {
+    std::memset(q, 0, kGroup);
+    *dx = *sx = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  // int32 -> int8 in order: packs work within 128-bit halves, the permute puts the dwords back
+  const __m256i w16a = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
+  const __m256i b8 = _mm256_packs_epi16(w16a, w16b);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *dx = m / 127.f;
+  *sx = *dx * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#endif
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* q, float* dx, float* sx, bool scalar) {
+  const int64_t blocks = k / kGroup;
+  at::parallel_for(0, m * blocks, m * blocks >= 4096 ? 1024 : m * blocks, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / blocks, b = i % blocks;
+      const T* src = x + r * k + b * kGroup;
+#if TERCET_I8
+      if (!scalar) {
+        quantize_block(src, q + i * kGroup, dx + i, sx + i);
+        continue;
+      }
+#endif
+      quantize_block_scalar(src, q + i * kGroup, dx + i, sx + i);
+    }
+  });
+}
+
+// ---- the products
+
+struct Rows {  // the activations' codes of M rows: row r's block b at q + (r * blocks + b) * 32
+  const int8_t* q;
+  const float* dx;
+  const float* sx;
+  int64_t blocks;
+};
+
+template <bool Nibbles, typename S>
+struct Weights {  // the packed codes: panel p's block b at codes + (p * blocks + b) * bytes
+  const uint8_t* codes;
+  const S* d;
+  const S* m;
+  int64_t blocks;
+  static constexpr int64_t kBytes = Nibbles ? 128 : 256;
+};
+
+// the scalar path: the vector path's sums and roundings, one output at a time
+template <bool Nibbles, typename S>
+void tile_scalar(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t rows, int64_t p, float* y,
+                 int64_t ldy, int64_t cols) {
+  for (int64_t r = r0; r < r0 + rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const uint8_t* c = w.codes + (p * w.blocks + b) * w.kBytes;
+        const int8_t* qx = x.q + (r * x.blocks + b) * kGroup;
+        int32_t isum = 0;
+        for (int64_t s = 0; s < 8; ++s)
+          for (int64_t i = 0; i < 4; ++i) {
+            int32_t q;
+            if constexpr (Nibbles) {
+              const uint8_t byte = c[(s / 2) * 32 + 4 * j + i];
+              q = s % 2 ? byte >> 4 : byte & 15;
+            } else {
+              q = static_cast<int8_t>(c[s * 32 + 4 * j + i]);
+            }
+            isum += q * qx[4 * s + i];
+          }
+        const int64_t at = (p * w.blocks + b) * kLanes + j;
+        const float bi = x.dx[r * x.blocks + b], si = x.sx[r * x.blocks + b];
+        acc = std::fma(static_cast<float>(isum), scale_of(w.d[at]) * bi, acc);
+        acc = std::fma(scale_of(w.m[at]), si, acc);
+      }
+      y[(r - r0) * ldy + j] = acc;
+    }
+}
+
+#if TERCET_I8
+inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 scales8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows of one panel: y[r][0..8) for rows r0..r0+R
+template <int R, bool Nibbles, typename S>
+void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m256 (&y)[R]) {
+  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
+  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  const uint8_t* c = w.codes + p * w.blocks * w.kBytes;
+  for (int64_t b = 0; b < w.blocks; ++b, c += w.kBytes) {
+    __m256i isum[R];
+#if TERCET_VNNI
+    // vpdpbusd: four u8 x s8 products and the sum a lane in one instruction (the same integers)
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    if constexpr (Nibbles) {
+      for (int t = 0; t < 4; ++t) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 8 * t;
+          isum[r] = _mm256_dpbusd_epi32(isum[r], lo, bcast4(qx));
+          isum[r] = _mm256_dpbusd_epi32(isum[r], hi, bcast4(qx + 4));
+        }
+      }
+    } else {
+      for (int s = 0; s < 8; ++s) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * s));
+        const __m256i aq = _mm256_abs_epi8(q);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 4 * s;
+          isum[r] = _mm256_dpbusd_epi32(isum[r], aq, _mm256_sign_epi8(bcast4(qx), q));
+        }
+      }
+    }
+    (void)ones;
+#else
+    if constexpr (Nibbles) {
+      __m256i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 8 * t;
+          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, bcast4(qx)));
+          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, bcast4(qx + 4)));
+        }
+      }
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(acc[r], ones);
+    } else {
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * s));
+        const __m256i aq = _mm256_abs_epi8(q);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 4 * s;
+          const __m256i pairs = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(bcast4(qx), q));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+#endif
+    const int64_t at = (p * w.blocks + b) * kLanes;
+    const __m256 d = scales8(w.d + at), m = scales8(w.m + at);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (r0 + r) * x.blocks + b;
+      y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[xb])), y[r]);
+      y[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sx[xb]), y[r]);
+    }
+  }
+}
+
+template <int R, bool Nibbles, typename S>
+void tile_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, float* y, int64_t ldy,
+                int64_t cols) {
+  __m256 acc[R];
+  tile<R>(x, w, r0, p, acc);
+  for (int r = 0; r < R; ++r) {
+    if (cols == kLanes) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float tmp[kLanes];
+      _mm256_store_ps(tmp, acc[r]);
+      std::memcpy(y + r * ldy, tmp, cols * sizeof(float));
+    }
+  }
+}
+#endif
+
+// rows r0..r0+rows of panel p into y (row stride ldy, `cols` outputs)
+template <bool Nibbles, typename S>
+void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t rows, int64_t p, float* y,
+                int64_t ldy, int64_t cols, bool scalar) {
+#if TERCET_I8
+  if (!scalar) {
+    int64_t r = 0;
+    for (; r + kRowTile <= rows; r += kRowTile) tile_store<kRowTile>(x, w, r0 + r, p, y + r * ldy, ldy, cols);
+    switch (rows - r) {
+      case 3: tile_store<3>(x, w, r0 + r, p, y + r * ldy, ldy, cols); break;
+      case 2: tile_store<2>(x, w, r0 + r, p, y + r * ldy, ldy, cols); break;
+      case 1: tile_store<1>(x, w, r0 + r, p, y + r * ldy, ldy, cols); break;
+      default: break;
+    }
+    return;
+  }
+#endif
+  tile_scalar(x, w, r0, rows, p, y, ldy, cols);
+}
+
+template <bool Nibbles, typename S>
+void product(const Rows& x, const Weights<Nibbles, S>& w, int64_t m, int64_t panels, int64_t n, float* y,
+             bool scalar) {
+  // each thread a range of panels (one stream of codes), every row block over it
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, panels / (2 * at::get_num_threads())));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, m - r0);
+      for (int64_t p = begin; p < end; ++p)
+        panel_rows(x, w, r0, rows, p, y + r0 * n + p * kLanes, n, std::min(kLanes, n - p * kLanes), scalar);
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                  int64_t n, const std::optional<at::Tensor>& bias, bool scalar) {
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
+                  offsets.is_contiguous(), "scales and offsets must come from pack_i8_codes");
+  const int64_t panels = scales.size(0), blocks = scales.size(1), k = blocks * kGroup;
+  const bool nibbles = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(0) == panels && codes.size(1) == blocks && codes.is_contiguous() &&
+                  ((nibbles && codes.size(2) == 128) || (codes.scalar_type() == at::kChar && codes.size(2) == 256)),
+              "codes must come from pack_i8_codes");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.device().is_cpu(), "x must be a CPU fp32 or bf16 [M, ", k, "]");
+  TORCH_CHECK(n > 0 && n <= panels * kLanes, "n does not match the packed weight");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "bias must be [n]");
+  const auto src = x.contiguous();
+  const int64_t m = x.size(0);
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto dx = at::empty({m, blocks}, x.options().dtype(at::kFloat)), sx = at::empty_like(dx);
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(src.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), scalar);
+  else
+    quantize_rows(src.data_ptr<c10::BFloat16>(), m, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                  sx.data_ptr<float>(), scalar);
+  auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0) return y.to(x.scalar_type());
+  const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), blocks};
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const int64_t used = (n + kLanes - 1) / kLanes;  // (pack_block_codes pads to 16 outputs)
+  if (scales.scalar_type() == at::kHalf) {
+    const auto* d = scales.data_ptr<c10::Half>();
+    const auto* o = offsets.data_ptr<c10::Half>();
+    if (nibbles) product(rows, Weights<true, c10::Half>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
+    else product(rows, Weights<false, c10::Half>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
+  } else {
+    const auto* d = scales.data_ptr<float>();
+    const auto* o = offsets.data_ptr<float>();
+    if (nibbles) product(rows, Weights<true, float>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
+    else product(rows, Weights<false, float>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
+  }
+  if (bias) y.add_(bias->to(at::kFloat));
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor i8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
+  return linear(x, codes, scales, offsets, n, bias, false);
+}
+
+at::Tensor i8_block_linear_reference(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                     const at::Tensor& offsets, int64_t n, const std::optional<at::Tensor>& bias) {
+  return linear(x, codes, scales, offsets, n, bias, true);
+}
+
+std::vector<at::Tensor> quantize_rows_i8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be a CPU fp32 [M, K] with K a multiple of 32");
+  const auto src = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto dx = at::empty({m, k / kGroup}, x.options()), sx = at::empty_like(dx);
+  quantize_rows(src.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), false);
+  return {q, dx, sx};
+}
+
+// pack_block_codes' compact codes ([P16, K/2, 16] uint8 nibbles 0..15, or [P16, K, 16] int8; d, m [P16, K/32, 16])
+// -> this file's layout; [] where they are neither (signed nibbles, octets) or an int8 code is -128
+std::vector<at::Tensor> pack_i8_codes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets) {
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == 16 && offsets.sizes() == scales.sizes() &&
+                  codes.dim() == 3 && codes.size(0) == scales.size(0) && codes.size(2) == 16,
+              "codes, scales and offsets must come from pack_block_codes");
+  const int64_t p16 = scales.size(0), blocks = scales.size(1), k = blocks * kGroup;
+  const bool nibbles = codes.scalar_type() == at::kByte && codes.size(1) * 2 == k;
+  const bool bytes = codes.scalar_type() == at::kChar && codes.size(1) == k;
+  if (!nibbles && !bytes) return {};
+  const auto src = codes.contiguous();
+  if (bytes) {
+    const int8_t* c = src.data_ptr<int8_t>();
+    if (std::any_of(c, c + src.numel(), [](int8_t v) { return v == -128; })) return {};
+  }
+  // every code as one int [P16 * 16 outputs, K] (nibbles: k = 2i low, 2i + 1 high)
+  at::Tensor wide;
+  if (nibbles) {
+    const auto c = src.to(at::kInt);
+    wide = at::stack({c.bitwise_and(15), c.bitwise_right_shift(4)}, 2).flatten(1, 2);  // [P16, K, 16]
+  } else {
+    wide = src.to(at::kInt);
+  }
+  wide = wide.transpose(1, 2).reshape({p16 * 16, k});  // [outputs, K]
+  const int64_t panels = p16 * 2;
+  // [panels, 8 outputs, blocks, 8 steps, 4] -> [panels, blocks, steps, outputs, 4]
+  auto steps = wide.view({panels, kLanes, blocks, 8, 4}).permute({0, 2, 3, 1, 4}).contiguous();
+  at::Tensor packed;
+  if (nibbles) {  // steps 2t (low nibble) and 2t + 1 (high) in one 32-byte row
+    auto pairs = steps.view({panels, blocks, 4, 2, 32});
+    packed = pairs.select(3, 0).bitwise_or(pairs.select(3, 1).bitwise_left_shift(4)).to(at::kByte).reshape({panels, blocks, 128});
+  } else {
+    packed = steps.to(at::kChar).reshape({panels, blocks, 256});
+  }
+  auto per8 = [&](const at::Tensor& t) {  // [P16, blocks, 16] -> [panels, blocks, 8]
+    return t.view({p16, blocks, 2, kLanes}).transpose(1, 2).reshape({panels, blocks, kLanes}).contiguous();
+  };
+  return {packed.contiguous(), per8(scales), per8(offsets)};
+}
+
+bool i8_vector_build() { return TERCET_I8; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tercet, m) {
+  m.def("pack_i8_codes(Tensor codes, Tensor scales, Tensor offsets) -> Tensor[]");
+  m.def("i8_block_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
+  m.def("i8_block_linear_reference(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n, Tensor? bias) -> Tensor");
+  m.def("quantize_rows_i8(Tensor x) -> Tensor[]");
+  m.def("i8_vector_build() -> bool", &i8_vector_build);
+  m.impl("pack_i8_codes", c10::DispatchKey::CPU, TORCH_FN(pack_i8_codes));
+  m.impl("i8_block_linear", c10::DispatchKey::CPU, TORCH_FN(i8_block_linear));
+  m.impl("i8_block_linear_reference", c10::DispatchKey::CPU, TORCH_FN(i8_block_linear_reference));
+  m.impl("quantize_rows_i8", c10::DispatchKey::CPU, TORCH_FN(quantize_rows_i8));
+}
