@@ -175,6 +175,7 @@ struct Rows {  // the activations' codes of M rows: row r's block b at q + (r * 
   const float* dx;
   const float* sx;
   int64_t blocks;
+  const uint8_t* u;  // VNNI with int8 weights: the codes + 128 as uint8 (q ^ 0x80), else null
 };
 
 template <bool Nibbles, typename S>
@@ -226,110 +227,177 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// R rows of one panel: y[r][0..8) for rows r0..r0+R
-template <int R, bool Nibbles, typename S>
-void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m256 (&y)[R]) {
+// R rows of C consecutive panels from p on: y[r][j] holds row r0 + r's outputs 8 (p + j) .. 8 (p + j) + 7. Every
+// (row, output) goes through the same integer sums and the same two FMAs a block whatever R and C: the same bits.
+template <int R, int C, bool Nibbles, typename S>
+void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m256 (&y)[R][C]) {
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
-  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
-  const uint8_t* c = w.codes + p * w.blocks * w.kBytes;
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) y[r][j] = _mm256_setzero_ps();
+  const int64_t stride = w.blocks * w.kBytes;  // one panel's codes
+  const uint8_t* c = w.codes + p * stride;
   for (int64_t b = 0; b < w.blocks; ++b, c += w.kBytes) {
-    __m256i isum[R];
+    __m256i isum[R][C];
+    const int8_t* qx[R];
+    for (int r = 0; r < R; ++r) qx[r] = x.q + ((r0 + r) * x.blocks + b) * kGroup;
 #if TERCET_VNNI
-    // vpdpbusd: four u8 x s8 products and the sum a lane in one instruction (the same integers)
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    // vpdpbusd: four u8 x s8 products and their sum added to a lane in one instruction (the same integers); two
+    // chains a tile (the even and the odd steps) so that few rows do not wait on one chain's latency
+    __m256i odd[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) isum[r][j] = odd[r][j] = _mm256_setzero_si256();
     if constexpr (Nibbles) {
       for (int t = 0; t < 4; ++t) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        __m256i lo[C], hi[C];
+        for (int j = 0; j < C; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * stride + 32 * t));
+          lo[j] = _mm256_and_si256(raw, mask), hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
         for (int r = 0; r < R; ++r) {
-          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 8 * t;
-          isum[r] = _mm256_dpbusd_epi32(isum[r], lo, bcast4(qx));
-          isum[r] = _mm256_dpbusd_epi32(isum[r], hi, bcast4(qx + 4));
+          const __m256i xa = bcast4(qx[r] + 8 * t), xb = bcast4(qx[r] + 8 * t + 4);
+          for (int j = 0; j < C; ++j) {
+            isum[r][j] = _mm256_dpbusd_epi32(isum[r][j], lo[j], xa);
+            odd[r][j] = _mm256_dpbusd_epi32(odd[r][j], hi[j], xb);
+          }
         }
       }
     } else {
+      // int8 weights: the activations as uint8 codes + 128 (u), so vpdpbusd takes the weights signed as they are,
+      // and sum (qx + 128) q - 128 sum q = sum qx q, every term an exact integer (|sum| < 2^21 a lane)
+      const __m256i one8 = _mm256_set1_epi8(1);
+      __m256i wsum[C];
+      for (int j = 0; j < C; ++j) wsum[j] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * s));
-        const __m256i aq = _mm256_abs_epi8(q);
+        __m256i q[C];
+        for (int j = 0; j < C; ++j) {
+          q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * stride + 32 * s));
+          wsum[j] = _mm256_dpbusd_epi32(wsum[j], one8, q[j]);
+        }
         for (int r = 0; r < R; ++r) {
-          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 4 * s;
-          isum[r] = _mm256_dpbusd_epi32(isum[r], aq, _mm256_sign_epi8(bcast4(qx), q));
+          const __m256i xs = bcast4(reinterpret_cast<const int8_t*>(x.u) + (qx[r] - x.q) + 4 * s);
+          for (int j = 0; j < C; ++j) {
+            __m256i& acc = s % 2 ? odd[r][j] : isum[r][j];
+            acc = _mm256_dpbusd_epi32(acc, xs, q[j]);
+          }
         }
       }
+      for (int j = 0; j < C; ++j) {
+        const __m256i shift = _mm256_slli_epi32(wsum[j], 7);
+        for (int r = 0; r < R; ++r) odd[r][j] = _mm256_sub_epi32(odd[r][j], shift);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) isum[r][j] = _mm256_add_epi32(isum[r][j], odd[r][j]);
     (void)ones;
 #else
     if constexpr (Nibbles) {
-      __m256i acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      __m256i acc[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_si256();
       for (int t = 0; t < 4; ++t) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        __m256i lo[C], hi[C];
+        for (int j = 0; j < C; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * stride + 32 * t));
+          lo[j] = _mm256_and_si256(raw, mask), hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
         for (int r = 0; r < R; ++r) {
-          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 8 * t;
-          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, bcast4(qx)));
-          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, bcast4(qx + 4)));
+          const __m256i xa = bcast4(qx[r] + 8 * t), xb = bcast4(qx[r] + 8 * t + 4);
+          for (int j = 0; j < C; ++j) {
+            acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(lo[j], xa));
+            acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(hi[j], xb));
+          }
         }
       }
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(acc[r], ones);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < C; ++j) isum[r][j] = _mm256_madd_epi16(acc[r][j], ones);
     } else {
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < C; ++j) isum[r][j] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * s));
-        const __m256i aq = _mm256_abs_epi8(q);
+        __m256i q[C], aq[C];
+        for (int j = 0; j < C; ++j) {
+          q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * stride + 32 * s));
+          aq[j] = _mm256_abs_epi8(q[j]);
+        }
         for (int r = 0; r < R; ++r) {
-          const int8_t* qx = x.q + ((r0 + r) * x.blocks + b) * kGroup + 4 * s;
-          const __m256i pairs = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(bcast4(qx), q));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+          const __m256i xs = bcast4(qx[r] + 4 * s);
+          for (int j = 0; j < C; ++j) {
+            const __m256i pairs = _mm256_maddubs_epi16(aq[j], _mm256_sign_epi8(xs, q[j]));
+            isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_madd_epi16(pairs, ones));
+          }
         }
       }
     }
 #endif
-    const int64_t at = (p * w.blocks + b) * kLanes;
-    const __m256 d = scales8(w.d + at), m = scales8(w.m + at);
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * x.blocks + b;
-      y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[xb])), y[r]);
-      y[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sx[xb]), y[r]);
+    for (int j = 0; j < C; ++j) {
+      const int64_t at = ((p + j) * w.blocks + b) * kLanes;
+      const __m256 d = scales8(w.d + at), m = scales8(w.m + at);
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (r0 + r) * x.blocks + b;
+        y[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][j]), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[xb])), y[r][j]);
+        y[r][j] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sx[xb]), y[r][j]);
+      }
     }
   }
 }
 
-template <int R, bool Nibbles, typename S>
+// the tile into y (row stride ldy): panel p + j's outputs at y + 8 j, `cols` of the last panel's (the rest whole)
+template <int R, int C, bool Nibbles, typename S>
 void tile_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, float* y, int64_t ldy,
                 int64_t cols) {
-  __m256 acc[R];
-  tile<R>(x, w, r0, p, acc);
-  for (int r = 0; r < R; ++r) {
-    if (cols == kLanes) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float tmp[kLanes];
-      _mm256_store_ps(tmp, acc[r]);
-      std::memcpy(y + r * ldy, tmp, cols * sizeof(float));
+  __m256 acc[R][C];
+  tile<R, C>(x, w, r0, p, acc);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) {
+      float* out = y + r * ldy + j * kLanes;
+      if (j + 1 < C || cols == kLanes) {
+        _mm256_storeu_ps(out, acc[r][j]);
+      } else {
+        alignas(32) float tmp[kLanes];
+        _mm256_store_ps(tmp, acc[r][j]);
+        std::memcpy(out, tmp, cols * sizeof(float));
+      }
     }
-  }
+}
+
+// R rows (at most kRowTile) of panels [p, end): C at a time, then one by one
+template <int R, int C, bool Nibbles, typename S>
+void rows_over_panels(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, int64_t end, float* y,
+                      int64_t ldy, int64_t n) {
+  for (; p + C <= end; p += C) tile_store<R, C>(x, w, r0, p, y + p * kLanes, ldy, std::min(kLanes, n - (p + C - 1) * kLanes));
+  for (; p < end; ++p) tile_store<R, 1>(x, w, r0, p, y + p * kLanes, ldy, std::min(kLanes, n - p * kLanes));
 }
 #endif
 
-// rows r0..r0+rows of panel p into y (row stride ldy, `cols` outputs)
+// rows r0..r0+rows of panels [begin, end) into y (rows r0.. of the output, row stride n)
 template <bool Nibbles, typename S>
-void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t rows, int64_t p, float* y,
-                int64_t ldy, int64_t cols, bool scalar) {
+void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t rows, int64_t begin, int64_t end,
+                float* y, int64_t n, bool scalar) {
 #if TERCET_I8
   if (!scalar) {
-    int64_t r = 0;
-    for (; r + kRowTile <= rows; r += kRowTile) tile_store<kRowTile>(x, w, r0 + r, p, y + r * ldy, ldy, cols);
-    switch (rows - r) {
-      case 3: tile_store<3>(x, w, r0 + r, p, y + r * ldy, ldy, cols); break;
-      case 2: tile_store<2>(x, w, r0 + r, p, y + r * ldy, ldy, cols); break;
-      case 1: tile_store<1>(x, w, r0 + r, p, y + r * ldy, ldy, cols); break;
+    // few rows: several panels a tile (more independent sums); many: a panel's codes in L1 for every tile of rows
+    switch (rows) {
+      case 1: rows_over_panels<1, 4>(x, w, r0, begin, end, y, n, n); return;
+      case 2: rows_over_panels<2, 2>(x, w, r0, begin, end, y, n, n); return;
+      case 3: rows_over_panels<3, 2>(x, w, r0, begin, end, y, n, n); return;
       default: break;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kLanes, n - p * kLanes);
+      int64_t r = 0;
+      for (; r + kRowTile <= rows; r += kRowTile) tile_store<kRowTile, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols);
+      switch (rows - r) {
+        case 3: tile_store<3, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols); break;
+        case 2: tile_store<2, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols); break;
+        case 1: tile_store<1, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols); break;
+        default: break;
+      }
     }
     return;
   }
 #endif
-  tile_scalar(x, w, r0, rows, p, y, ldy, cols);
+  for (int64_t p = begin; p < end; ++p)
+    tile_scalar(x, w, r0, rows, p, y + p * kLanes, n, std::min(kLanes, n - p * kLanes));
 }
 
 template <bool Nibbles, typename S>
@@ -340,8 +408,7 @@ void product(const Rows& x, const Weights<Nibbles, S>& w, int64_t m, int64_t pan
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, m - r0);
-      for (int64_t p = begin; p < end; ++p)
-        panel_rows(x, w, r0, rows, p, y + r0 * n + p * kLanes, n, std::min(kLanes, n - p * kLanes), scalar);
+      panel_rows(x, w, r0, rows, begin, end, y + r0 * n, n, scalar);
     }
   });
 }
@@ -372,7 +439,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                   sx.data_ptr<float>(), scalar);
   auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0) return y.to(x.scalar_type());
-  const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), blocks};
+  at::Tensor u;  // (VNNI, int8 weights: Rows::u)
+  if (TERCET_VNNI && !nibbles && !scalar) u = q.view(at::kByte).bitwise_xor(128);
+  const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), blocks,
+                  u.defined() ? u.data_ptr<uint8_t>() : nullptr};
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   const int64_t used = (n + kLanes - 1) / kLanes;  // (pack_block_codes pads to 16 outputs)
   if (scales.scalar_type() == at::kHalf) {

@@ -11,7 +11,7 @@ def test_bench_model_smoke_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_model", "--smoke", "--json", str(out), "--modes"],
+        [sys.executable, "-m", "benchmarks.bench_model", "--smoke", "--json", str(out), "--modes", "--int8"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -19,9 +19,10 @@ def test_bench_model_smoke_writes_its_json(tmp_path):
     assert [row["batch"] for row in result["rows"]] == [1, 4]
     for row in result["rows"]:
         assert row["tercet_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["ratio"] > 0
-        for mode in ("off", "torch"):
+        for mode in ("off", "torch", "int8"):  # (--int8: the tiny model's weights quantized to Q4_1 / Q8_0 first)
             assert row[f"{mode}_tok_s"] > 0 and row[f"{mode}_ratio"] > 0
     assert result["prefill_tok_s"] > 0 and result["off_prefill_tok_s"] > 0 and result["torch_prefill_tok_s"] > 0
+    assert result["int8_prefill_tok_s"] > 0 and "int8/dflt" in run.stderr
     assert result["deterministic"] is True  # the default
     assert "ratio" in run.stderr and "off/dflt" in run.stderr
     # beside its speed of light (benchmarks/roofline.py, small sizes in the smoke run)
