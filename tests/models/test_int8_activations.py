@@ -75,12 +75,15 @@ def test_the_activations_codes_are_torchs_rounding_and_a_block_with_inf_or_nan_i
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "mixed"])
 def test_products_are_the_integer_arithmetic_and_near_the_exact_product(kernels, kind):
-    weight = quantized(200, 192, kind)  # 200 outputs: a last panel of 8 half used
+    weight = quantized(196, 192, kind)  # 196 outputs: a last panel of 8 half used
     g = torch.Generator().manual_seed(2)
     x = torch.randn(130, 192, generator=g)
     codes = packed(weight)
     assert codes[0].dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
-    y = cpu_kernels.i8_block_linear(x, *codes, 200)
+    y = cpu_kernels.i8_block_linear(x, *codes, 196)
+    assert torch.equal(y, cpu_kernels.i8_block_linear_reference(x, *codes, 196))
+    for rows in ROWS:  # the tiles of few rows (several panels a tile) end on the partial panel too
+        assert torch.equal(cpu_kernels.i8_block_linear(x[:rows], *codes, 196), y[:rows])
     want = integer_reference(x, weight)
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     exact = x.double() @ weight.double().T  # the activations' rounding: ~0.4 % of a block's largest value
@@ -89,18 +92,18 @@ def test_products_are_the_integer_arithmetic_and_near_the_exact_product(kernels,
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_row_has_the_scalar_paths_bits_alone_in_any_batch_and_on_any_threads(kernels, kind):
-    weight = quantized(96, 1536, kind)  # down's K: 48 blocks
+    weight = quantized(100, 1536, kind)  # down's K: 48 blocks; 12.5 panels of 8
     codes = packed(weight)
     g = torch.Generator().manual_seed(3)
-    x, bias = torch.randn(130, 1536, generator=g), torch.randn(96, generator=g)
-    whole = cpu_kernels.i8_block_linear(x, *codes, 96, bias)
-    assert torch.equal(whole, cpu_kernels.i8_block_linear_reference(x, *codes, 96, bias))
+    x, bias = torch.randn(130, 1536, generator=g), torch.randn(100, generator=g)
+    whole = cpu_kernels.i8_block_linear(x, *codes, 100, bias)
+    assert torch.equal(whole, cpu_kernels.i8_block_linear_reference(x, *codes, 100, bias))
     for rows in ROWS:
-        assert torch.equal(cpu_kernels.i8_block_linear(x[-rows:], *codes, 96, bias), whole[-rows:])
+        assert torch.equal(cpu_kernels.i8_block_linear(x[-rows:], *codes, 100, bias), whole[-rows:])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.i8_block_linear(x, *codes, 96, bias), whole)
+        assert torch.equal(cpu_kernels.i8_block_linear(x, *codes, 100, bias), whole)
     finally:
         torch.set_num_threads(threads)
 
