@@ -54,7 +54,7 @@
 #else
 #define TERCET_I8 0
 #endif
-// AVX512-VNNI (with VL: its 256-bit forms): the products' integer sums in one instruction, the same integers
+// AVX512-VNNI (and BW for bytes in zmm): whole panels in pairs through vpdpbusd (tile_pairs), the same integers
 #if TERCET_I8 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define TERCET_VNNI 1
 #else
@@ -227,8 +227,9 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// R rows of C consecutive panels from p on: y[r][j] holds row r0 + r's outputs 8 (p + j) .. 8 (p + j) + 7. Every
-// (row, output) goes through the same integer sums and the same two FMAs a block whatever R and C: the same bits.
+// R rows of C consecutive panels from p on, AVX2 (vpmaddubsw; on VNNI builds only the panels tile_pairs leaves): y[r][j]
+// holds row r0 + r's outputs 8 (p + j) .. 8 (p + j) + 7. Every (row, output) goes through the same integer sums and
+// the same two FMAs a block whatever R and C: the same bits.
 template <int R, int C, bool Nibbles, typename S>
 void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m256 (&y)[R][C]) {
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
@@ -240,56 +241,6 @@ void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __
     __m256i isum[R][C];
     const int8_t* qx[R];
     for (int r = 0; r < R; ++r) qx[r] = x.q + ((r0 + r) * x.blocks + b) * kGroup;
-#if TERCET_VNNI
-    // vpdpbusd: four u8 x s8 products and their sum added to a lane in one instruction (the same integers); two
-    // chains a tile (the even and the odd steps) so that few rows do not wait on one chain's latency
-    __m256i odd[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < C; ++j) isum[r][j] = odd[r][j] = _mm256_setzero_si256();
-    if constexpr (Nibbles) {
-      for (int t = 0; t < 4; ++t) {
-        __m256i lo[C], hi[C];
-        for (int j = 0; j < C; ++j) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * stride + 32 * t));
-          lo[j] = _mm256_and_si256(raw, mask), hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256i xa = bcast4(qx[r] + 8 * t), xb = bcast4(qx[r] + 8 * t + 4);
-          for (int j = 0; j < C; ++j) {
-            isum[r][j] = _mm256_dpbusd_epi32(isum[r][j], lo[j], xa);
-            odd[r][j] = _mm256_dpbusd_epi32(odd[r][j], hi[j], xb);
-          }
-        }
-      }
-    } else {
-      // int8 weights: the activations as uint8 codes + 128 (u), so vpdpbusd takes the weights signed as they are,
-      // and sum (qx + 128) q - 128 sum q = sum qx q, every term an exact integer (|sum| < 2^21 a lane)
-      const __m256i one8 = _mm256_set1_epi8(1);
-      __m256i wsum[C];
-      for (int j = 0; j < C; ++j) wsum[j] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        __m256i q[C];
-        for (int j = 0; j < C; ++j) {
-          q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * stride + 32 * s));
-          wsum[j] = _mm256_dpbusd_epi32(wsum[j], one8, q[j]);
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256i xs = bcast4(reinterpret_cast<const int8_t*>(x.u) + (qx[r] - x.q) + 4 * s);
-          for (int j = 0; j < C; ++j) {
-            __m256i& acc = s % 2 ? odd[r][j] : isum[r][j];
-            acc = _mm256_dpbusd_epi32(acc, xs, q[j]);
-          }
-        }
-      }
-      for (int j = 0; j < C; ++j) {
-        const __m256i shift = _mm256_slli_epi32(wsum[j], 7);
-        for (int r = 0; r < R; ++r) odd[r][j] = _mm256_sub_epi32(odd[r][j], shift);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < C; ++j) isum[r][j] = _mm256_add_epi32(isum[r][j], odd[r][j]);
-    (void)ones;
-#else
     if constexpr (Nibbles) {
       __m256i acc[R][C];
       for (int r = 0; r < R; ++r)
@@ -328,7 +279,6 @@ void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __
         }
       }
     }
-#endif
     for (int j = 0; j < C; ++j) {
       const int64_t at = ((p + j) * w.blocks + b) * kLanes;
       const __m256 d = scales8(w.d + at), m = scales8(w.m + at);
@@ -342,9 +292,10 @@ void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __
 }
 
 #if TERCET_VNNI
-// tile() for R rows of 2P panels from p on, a pair of panels a zmm (panel p + 2i in the low half, p + 2i + 1 in
-// the high one): per lane the same integer sums and the same two FMAs a block as tile(), so the same bits, with
-// half the instructions (Zen 4 runs a zmm op as two ymm halves: what it saves is issue slots and broadcasts)
+// tile() on AVX512-VNNI for R rows of 2P panels from p on, a pair of panels a zmm (panel p + 2i in the low half,
+// p + 2i + 1 in the high one): per lane the same integer sums (vpdpbusd: four u8 x s8 products and their sum added to
+// a lane in one instruction; two chains, the even and the odd steps) and the same two FMAs a block as tile(), so the
+// same bits, in fewer instructions (Zen 4 runs a zmm op as two ymm halves: what it saves is issue slots)
 inline __m512i pair_load(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
