@@ -72,7 +72,9 @@ inline float scale_of(float s) { return s; }
 inline float scale_of(c10::Half s) { return static_cast<float>(s); }
 
 // ---- the activations' codes: per row and block, dx = amax / 127, qx = nearest(x * (127 / amax)), sx = dx * sum qx;
-// a block holding an inf or a NaN gets dx = sx = NaN (its rows' outputs are NaN, as the fp32 path's), codes 0
+// a block holding an inf or a NaN gets dx = sx = NaN (its rows' outputs are NaN, as the fp32 path's), codes 0; a
+// block whose amax is under kTiny (2^-100: 127 / amax would overflow near the subnormals) counts as zeros
+constexpr float kTiny = 0x1p-100f;
 
 template <typename T>
 void quantize_block_scalar(const T* x, int8_t* q, float* dx, float* sx) {
@@ -88,6 +90,7 @@ void quantize_block_scalar(const T* x, int8_t* q, float* dx, float* sx) {
     *dx = *sx = std::numeric_limits<float>::quiet_NaN();
     return;
   }
+  if (amax < kTiny) amax = 0.f;
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   int32_t sum = 0;
   for (int64_t i = 0; i < kGroup; ++i) {
@@ -124,7 +127,7 @@ void quantize_block(const T* x, int8_t* q, float* dx, float* sx) {
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     probe = _mm256_add_ps(probe, _mm256_mul_ps(v[i], zero));  // NaN where a lane held an inf or a NaN
   }
-  const float m = hmax(amax);
+  const float m = hmax(amax) < kTiny ? 0.f : hmax(amax);
   if (_mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q))) {
     std::memset(q, 0, kGroup);
     *dx = *sx = std::numeric_limits<float>::quiet_NaN();

@@ -61,16 +61,25 @@ def test_the_activations_codes_are_torchs_rounding_and_a_block_with_inf_or_nan_i
     g = torch.Generator().manual_seed(1)
     x = torch.randn(9, 128, generator=g) * torch.logspace(-3, 3, 9)[:, None]
     x[2, 32:64] = 0  # a block of zeros: codes 0, dx = sx = 0
+    x[5, 64:96] = torch.linspace(-1e-38, 1e-38, 32)  # under 2^-100 (127 / amax would overflow): zeros too
     x[3, 70], x[4, 5] = float("nan"), float("inf")
     q, dx, sx = cpu_kernels.quantize_rows_i8(x)
-    want_q, want_dx, want_sx = torch_codes(torch.nan_to_num(x))
+    tiny_as_zeros = torch.nan_to_num(x)
+    tiny_as_zeros[5, 64:96] = 0
+    want_q, want_dx, want_sx = torch_codes(tiny_as_zeros)
     bad = torch.zeros_like(dx, dtype=torch.bool)
     bad[3, 2] = bad[4, 0] = True
     assert torch.equal(q.view(9, 4, 32)[~bad], want_q.view(9, 4, 32)[~bad])
     assert torch.equal(dx[~bad], want_dx[~bad]) and torch.equal(sx[~bad], want_sx[~bad])
     assert (q.view(9, 4, 32)[bad] == 0).all() and dx[bad].isnan().all() and sx[bad].isnan().all()
     assert dx[2, 1] == 0 and sx[2, 1] == 0
+    assert dx[5, 2] == 0 and sx[5, 2] == 0 and (q[5, 64:96] == 0).all()
     assert q.abs().max() == 127
+    weight = quantized(16, 128, "q4_1")  # the products of those rows: the scalar path's bits
+    y = cpu_kernels.i8_block_linear(x, *packed(weight), 16)
+    torch.testing.assert_close(y, cpu_kernels.i8_block_linear_reference(x, *packed(weight), 16), rtol=0, atol=0,
+                               equal_nan=True)
+    assert y[3].isnan().all() and y[4].isnan().all() and not y[[0, 1, 2, 5, 6, 7, 8]].isnan().any()
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "mixed"])
