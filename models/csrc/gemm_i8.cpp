@@ -8,8 +8,11 @@
 // Why: the exact fp32 path rebuilds each weight and multiplies it in fp32, two FMAs a weight and output row; on an
 // AVX2 CPU without bf16 units that is the floor (a Zen 3 EPYC: one row at ~55 % of the memory bound, 64 rows at
 // ~85 % of the fp32 FMA peak). Here 32 products of a 4-bit code and an int8 take one vpmaddubsw and one 16-bit add,
-// and a block's fp32 work is two FMAs per output and row. It changes the outputs (the activations are rounded to
-// 8 bits, ~0.4 % of a block's largest value), which is why it is a mode of its own, off by default.
+// and a block's fp32 work is two FMAs per output and row (SmolLM2's projections 1.2-2.6x the fp32 kernel). On
+// AVX512-VNNI, vpdpbusd over pairs of panels a zmm; on a Zen 4 (with AVX512-BF16) the bf16 kernel multiplies as fast
+// at many rows, so there it pays at few rows only (1.1-2.2x at one row). It changes the outputs (the activations
+// are rounded to 8 bits, ~0.4 % of a block's largest value), which is why it is a mode of its own, off by default.
+// Figures: benchmarks/results/2026-12-07-zen4-int8.
 //
 // The bits: each (row, output) is one fp32 accumulator fed block after block in order, y = fma(float(isum_b),
 // d_b * dx_b, y) then y = fma(m_b, sx_b, y), with isum_b an exact integer; a row's codes depend on that row alone.
@@ -24,7 +27,9 @@
 //   - d and m: [N/8, K/32, 8], fp16 where pack_block_codes found them so (a GGUF's), else fp32.
 // vpmaddubsw adds a pair of products in 16 bits with saturation: |q qx| <= 15 * 127 for 0..15 codes, so a block's
 // 16 products a lane (3810 * 8 = 30480) fit without it; int8 codes (|q| <= 127: 2 * 127 * 127 = 32258 a pair) go
-// through vpmaddwd every step. Codes of -128 are refused at packing (their pair could saturate).
+// through vpmaddwd every step (AVX2: |q| against the sign-moved qx; VNNI: q as it is against qx + 128 as uint8, less
+// 128 sum q, every term exact). Codes of -128 are refused at packing (their pair could saturate).
+// A bias is added to the fp32 sums, then y is rounded to x's dtype once.
 //
 //   pack_i8_codes(codes, scales, offsets) -> [codes, scales, offsets] in this layout, or [] for codes it does not
 //     take (signed nibbles, octets)
