@@ -82,17 +82,18 @@ def kv_budget(config, dtype, tokens: int) -> int:
     return max(DEFAULT_BUDGET_BYTES, per_token * tokens)
 
 
-def quantized(loaded):
-    """`loaded` with its matrices quantized as llama.cpp would (Q4_1, the embedding and LM head Q8_0) and
-    dequantized, as tercet loads such a GGUF: weights that are exactly block codes (the int8 mode's)."""
+def quantized(loaded, layers: str = "Q4_1", head: str = "Q8_0"):
+    """`loaded` with its matrices quantized as llama.cpp would (the layers `layers`, the embedding and LM head
+    `head`: GGML type names) and dequantized, as tercet loads such a GGUF: weights that are exactly block codes
+    (the int8 mode's; the tests' too)."""
     import dataclasses
 
-    from gguf import GGMLQuantizationType as Q, quants
+    from gguf import GGMLQuantizationType, quants
 
     def requantize(name, t):
         if t.dim() != 2 or t.shape[1] % 32:
             return t
-        kind = Q.Q8_0 if "embed" in name or "lm_head" in name else Q.Q4_1
+        kind = GGMLQuantizationType[head if "embed" in name or "lm_head" in name else layers]
         return torch.from_numpy(quants.dequantize(quants.quantize(t.float().numpy(), kind), kind).copy())
 
     return dataclasses.replace(loaded, state_dict={n: requantize(n, t) for n, t in loaded.state_dict.items()})

@@ -277,7 +277,7 @@ class Int8BlockCodeLinear(Projection):
         return w.reshape(panels * 8, blocks * BLOCK)[: self.out_features].contiguous()
 
     def product(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
-        return cpu_kernels.i8_block_linear(x, *self.codes, self.out_features, None)
+        return self._product(x, None)  # (no upcast path)
 
     def _product(self, x, bias):
         return cpu_kernels.i8_block_linear(x, *self.codes, self.out_features, bias)

@@ -7,12 +7,12 @@ reference, the vector path against the scalar one; and a row's bits do not depen
 layer loop (C++ or Python), so the deterministic mode's promises hold within the int8 mode.
 """
 
-import dataclasses
 import shutil
 
 import pytest
 import torch
 
+from benchmarks.bench_model import quantized as quantized_model_of
 from models import cpu_kernels
 from models.projections import Int8BlockCodeLinear, int8_block_codes
 
@@ -167,24 +167,9 @@ def test_codes_it_does_not_take_and_shapes_that_do_not_fit_are_refused(kernels):
 
 # ---- the mode in the runner
 
-def quantized_model(loaded, kinds=("q4_1", "q8_0")):
-    """`loaded` as llama.cpp would quantize it (the layers `kinds[0]`, the embedding `kinds[1]`), dequantized."""
-    from gguf import GGMLQuantizationType, quants
-
-    types = {"q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0}
-
-    def requantize(name, t):
-        if t.dim() != 2:
-            return t
-        kind = types[kinds[1] if "embed" in name or "lm_head" in name else kinds[0]]
-        return torch.from_numpy(quants.dequantize(quants.quantize(t.float().numpy(), kind), kind).copy())
-
-    return dataclasses.replace(loaded, state_dict={n: requantize(n, t) for n, t in loaded.state_dict.items()})
-
-
 @pytest.fixture(scope="module")
 def q4_llama(tiny_llama):
-    return quantized_model(tiny_llama)
+    return quantized_model_of(tiny_llama)  # the layers Q4_1, the embedding (the tied head) Q8_0
 
 
 def seqs(runner, prompts):
@@ -247,11 +232,11 @@ def test_bf16_runs_in_the_int8_mode_too(kernels, q4_llama):
 def test_weights_without_such_codes_keep_the_exact_path_and_a_model_with_none_is_refused(kernels, tiny_llama):
     from models.runner import ModelRunner
 
-    mixed = quantized_model(tiny_llama, kinds=("q4_0", "q8_0"))  # Q4_0 layers: signed nibbles
+    mixed = quantized_model_of(tiny_llama, layers="Q4_0")  # signed nibbles
     runner = ModelRunner(mixed, dtype=torch.float32, int8_activations=True)
     kinds = [type(lin).__name__ for lin in runner.model.projections()]
     assert kinds[-1] == "Int8BlockCodeLinear" and "Int8BlockCodeLinear" not in kinds[:-1]
     with pytest.raises(ValueError, match="Q4_1 or Q8_0 block codes"):
         ModelRunner(tiny_llama, dtype=torch.float32, int8_activations=True)
     with pytest.raises(ValueError, match="CPU kernels"):
-        ModelRunner(quantized_model(tiny_llama), dtype=torch.float32, int8_activations=True, kernels=False)
+        ModelRunner(quantized_model_of(tiny_llama), dtype=torch.float32, int8_activations=True, kernels=False)
