@@ -30,6 +30,8 @@
 #include <tuple>
 #include <vector>
 
+#include "share.h"
+
 namespace {
 
 using at::Tensor;
@@ -126,10 +128,20 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(kind >= kPanels && kind <= kInt8Codes && tensors.size() == want,
                 "Decoder: projection kind ", kind, " with ", tensors.size(), " tensors");
     TORCH_CHECK(!layers_.empty() && projections_.size() < 4 * layers_.size(), "Decoder: a projection without its layer");
+    std::vector<tercet::Team::Bytes> bytes;
+    for (size_t j = 0; j < std::min<size_t>(3, tensors.size()); ++j)
+      bytes.push_back({static_cast<const uint8_t*>(tensors[j].data_ptr()), tensors[j].numel() * tensors[j].element_size()});
+    weights_.push_back(std::move(bytes));
     projections_.push_back({kind, n, code_rows, std::move(tensors), std::move(bias)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // steps of up to `rows` rows as a team (0: never), its helpers reading `read_ahead` bytes ahead
+  void set_team(int64_t rows, int64_t read_ahead) {
+    TORCH_CHECK(rows >= 0 && read_ahead >= 0, "Decoder.set_team: rows and read_ahead must be >= 0");
+    team_rows_ = rows, read_ahead_ = read_ahead;
+  }
 
   Tensor forward(Tensor x, Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
                  const Tensor& v_cache, const Tensor& slots, const Tensor& page_table, const Tensor& row_seq,
@@ -139,17 +151,35 @@ class Decoder : public torch::CustomClassHolder {
                 "Decoder: the caches must be [layers, rows, kv_heads, head_dim]");
     const Ops& o = ops();
     const int64_t rows = x.size(0), q_size = heads_ * head_dim_;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& layer = layers_[i];
-      const Projection* p = &projections_[4 * i];
-      Tensor k_layer = k_cache.select(0, static_cast<int64_t>(i)), v_layer = v_cache.select(0, static_cast<int64_t>(i));
-      const Tensor qkv = p[0](h);
-      auto [q, k] = o.rope_store.call(qkv, cos, sin, k_layer, v_layer, slots, heads_, kv_heads_);
-      const Tensor attn = o.paged_attention.call(q, k_layer, v_layer, page_table, row_seq, row_lens, page_size,
-                                                 scale_, layer.window, 0.0);
-      h = o.add_rms_norm.call(x, p[1](attn.reshape({rows, q_size})), layer.post_norm, eps_);
-      const Tensor down = p[3](p[2].silu(h));
-      h = o.add_rms_norm.call(x, down, layer.after_norm, eps_);
+    const auto layers = [&](tercet::Team* team) {
+      const auto at = [&](size_t product) {
+        if (team != nullptr) team->at_product(static_cast<int64_t>(product));
+      };
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const Layer& layer = layers_[i];
+        const Projection* p = &projections_[4 * i];
+        Tensor k_layer = k_cache.select(0, static_cast<int64_t>(i)), v_layer = v_cache.select(0, static_cast<int64_t>(i));
+        at(4 * i);
+        const Tensor qkv = p[0](h);
+        auto [q, k] = o.rope_store.call(qkv, cos, sin, k_layer, v_layer, slots, heads_, kv_heads_);
+        const Tensor attn = o.paged_attention.call(q, k_layer, v_layer, page_table, row_seq, row_lens, page_size,
+                                                   scale_, layer.window, 0.0);
+        at(4 * i + 1);
+        const Tensor o_out = p[1](attn.reshape({rows, q_size}));
+        h = o.add_rms_norm.call(x, o_out, layer.post_norm, eps_);
+        at(4 * i + 2);
+        const Tensor act = p[2].silu(h);
+        at(4 * i + 3);
+        const Tensor down = p[3](act);
+        h = o.add_rms_norm.call(x, down, layer.after_norm, eps_);
+      }
+    };
+    const int64_t threads = at::get_num_threads();
+    if (rows <= team_rows_ && threads > 1 && !at::in_parallel_region()) {
+      tercet::Team team(&weights_, read_ahead_);
+      team.run(threads, [&] { layers(&team); });
+    } else {
+      layers(nullptr);
     }
     return h;
   }
@@ -159,6 +189,10 @@ class Decoder : public torch::CustomClassHolder {
   double eps_, scale_;
   std::vector<Layer> layers_;
   std::vector<Projection> projections_;
+  tercet::Team::Products weights_;  // what each product reads at few rows (the codes, not the bf16 panels beside)
+  // Up to this many rows a step runs as one team (share.h): a product's region costs more than its work there,
+  // and reading the weights is what bounds the step; its helpers read this many bytes ahead of the products
+  int64_t team_rows_ = 16, read_ahead_ = int64_t{2} << 20;
 };
 
 Tensor decoder_forward(const c10::intrusive_ptr<Decoder>& decoder, Tensor x, Tensor h, const Tensor& cos,
@@ -175,7 +209,8 @@ TORCH_LIBRARY_FRAGMENT(tercet, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("add_projection", &Decoder::add_projection)
-      .def("num_layers", &Decoder::num_layers);
+      .def("num_layers", &Decoder::num_layers)
+      .def("set_team", &Decoder::set_team);
   // an op, not a method: torch.ops calls release the GIL while they run (the server's event loop goes on)
   m.def("decoder_forward(__torch__.torch.classes.tercet.Decoder decoder, Tensor(a!) x, Tensor h, Tensor cos, "
         "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor page_table, Tensor row_seq, "

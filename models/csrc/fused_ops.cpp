@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "share.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -44,7 +46,7 @@ constexpr int64_t kGrain = 1 << 15;  // elements per thread before a second one 
 
 template <typename F>
 void over_rows(int64_t rows, int64_t width, const F& f) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)), [&](int64_t b, int64_t e) {
+  tercet::parallel(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) f(r);
   });
 }
@@ -174,7 +176,7 @@ void check_cpu(const at::Tensor& t, const char* what) {
 // log(sum(exp(x))) (max-shifted)
 template <typename T>
 void row_argmax_lse(const T* x, int64_t* index, float* lse, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  tercet::parallel(rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * n;
       float top = -INFINITY;

@@ -47,6 +47,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "share.h"
+
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -788,7 +790,7 @@ at::Tensor block_rows_of(const at::Tensor& x) {
   auto grouped = at::empty({groups * k * kRows}, x.options());
   float* a = grouped.data_ptr<float>();
   const float* src = xin.data_ptr<float>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  tercet::parallel(groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t rows = std::min<int64_t>(kRows, m - g * kRows);
       float* dst = a + g * k * kRows;
@@ -820,7 +822,7 @@ at::Tensor project(const at::Tensor& x, int64_t panels, int64_t n, const float* 
   // that stay in L2
   const int64_t units = (panels + kPanels - 1) / kPanels;
   const int64_t grain = std::max<int64_t>(1, 8 / kPanels / std::max<int64_t>(1, (m + kRows - 1) / kRows));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  tercet::parallel(units, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(kPanels * k * kPanel));
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const int64_t r1 = std::min(m, r0 + block_rows);
@@ -883,7 +885,7 @@ at::Tensor codes_linear(const at::Tensor& x, const uint8_t* c, const S* d, const
     // left (SmolLM2's qkv, 15 panels, went to one thread as units of 4 with a grain; o and down, 9
     // units, split 5 / 4). Which thread computes a column does not change its bits.
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    tercet::parallel(threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t last = panels * (t + 1) / threads;
         for (int64_t p = panels * t / threads; p < last;) {

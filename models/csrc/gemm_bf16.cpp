@@ -51,6 +51,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "share.h"
+
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -687,7 +689,7 @@ constexpr int64_t kChunkRows = 128;
 template <typename UnitOf, typename Store>
 void amx_units(const uint32_t* xp, int64_t m, int64_t pairs, int64_t units, UnitOf unit_of, Store store) {
   const int64_t grain = std::max<int64_t>(1, 8 / ((m + 31) / 32));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  tercet::parallel(units, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf;
     std::vector<uint32_t> xpad;  // a last chunk of rows, padded to whole tiles with zero rows
     std::vector<float> acc;  // the block's sums [rows][32 columns] between chunks of K
@@ -745,7 +747,7 @@ void project_tn(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, in
     return;
   }
   const int64_t grain = std::max<int64_t>(1, 8 / ((m + 31) / 32));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  tercet::parallel(units, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf;
     for (int64_t r0 = 0; r0 < m; r0 += kTnBlockRows) {
       const int64_t r1 = std::min(m, r0 + kTnBlockRows);
@@ -888,7 +890,7 @@ void few_rows(const uint32_t* xp, int64_t m, int64_t pairs, const uint8_t* codes
     }
     xt = transposed.data();
   }
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  tercet::parallel(units, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[8][kPanel * kGroupRows];
     configure_few_tiles(ld);
     for (int64_t u = begin; u < end; ++u) {
@@ -987,7 +989,7 @@ void project(const uint32_t* xp, int64_t m, int64_t pairs, int64_t panels, int64
   // that stay in L2
   const int64_t units = (panels + kPanels - 1) / kPanels;
   const int64_t grain = std::max<int64_t>(1, 8 / kPanels / ((m + kRows - 1) / kRows));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  tercet::parallel(units, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf;
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const int64_t r1 = std::min(m, r0 + block_rows);
@@ -1068,7 +1070,7 @@ void codes_linear(const uint32_t* xp, int64_t m, const uint8_t* c, const S* d, c
     if (m <= direct_rows) {  // straight from the codes
       const int64_t width = width_of(static_cast<int>(m));
       const int64_t grain = std::max<int64_t>(1, 16 / width);
-      at::parallel_for(0, (panels + width - 1) / width, grain, [&](int64_t begin, int64_t end) {
+      tercet::parallel((panels + width - 1) / width, grain, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const int64_t p = width * t, count = std::min<int64_t>(width, panels - p);
           const int64_t cols = std::min(count * kPanel, n - p * kPanel);
@@ -1141,7 +1143,7 @@ at::Tensor bf16_block_linear(const at::Tensor& x, const at::Tensor& codes, const
 void silu_rows(const c10::BFloat16* y, int64_t m, int64_t n, c10::BFloat16* out) {
 #if TERCET_BF16_GEMM
   const int64_t half = n / 2;
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+  tercet::parallel(m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < half; i += kPanel)
         silu_store(vec::load(y + r * n + i), vec::load(y + r * n + half + i), nullptr, nullptr, out + r * half + i);

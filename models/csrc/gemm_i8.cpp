@@ -45,6 +45,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "share.h"
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -161,7 +164,7 @@ void quantize_block(const T* x, int8_t* q, float* dx, float* sx) {
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* q, float* dx, float* sx, bool scalar) {
   const int64_t blocks = k / kGroup;
-  at::parallel_for(0, m * blocks, m * blocks >= 4096 ? 1024 : m * blocks, [&](int64_t begin, int64_t end) {
+  tercet::parallel(m * blocks, m * blocks >= 4096 ? 1024 : m * blocks, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / blocks, b = i % blocks;
       const T* src = x + r * k + b * kGroup;
@@ -481,17 +484,40 @@ void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
     tile_scalar(x, w, r0, rows, p, y + p * kLanes, n, std::min(kLanes, n - p * kLanes));
 }
 
-template <bool Nibbles, typename S>
+// finish(c0, c1) after each range of panels: its columns [c0, c1) of every row are summed
+template <bool Nibbles, typename S, typename Finish>
 void product(const Rows& x, const Weights<Nibbles, S>& w, int64_t m, int64_t panels, int64_t n, float* y,
-             bool scalar) {
+             bool scalar, const Finish& finish) {
   // each thread a range of panels (one stream of codes), every row block over it
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, panels / (2 * at::get_num_threads())));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+  tercet::parallel(panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, m - r0);
       panel_rows(x, w, r0, rows, begin, end, y + r0 * n, n, scalar);
     }
+    finish(begin * kLanes, std::min(end * kLanes, n));
   });
+}
+
+// The activations' codes and the fp32 sums of a bf16 product, reused call after call (a decode step
+// makes ~120 products of a few microseconds each: allocating them was a fifth of that)
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<uint8_t> u;
+  std::vector<float> dx, sx, y;
+};
+
+constexpr int64_t kScratchSums = int64_t{1} << 20;  // the most sums the scratch keeps (4 MB)
+
+Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+template <typename V>
+auto* at_least(V& v, int64_t size) {
+  if (static_cast<int64_t>(v.size()) < size) v.resize(static_cast<size_t>(size));
+  return v.data();
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
@@ -511,34 +537,62 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "bias must be [n]");
   const auto src = x.contiguous();
   const int64_t m = x.size(0);
-  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
-  auto dx = at::empty({m, blocks}, x.options().dtype(at::kFloat)), sx = at::empty_like(dx);
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(src.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), scalar);
-  else
-    quantize_rows(src.data_ptr<c10::BFloat16>(), m, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                  sx.data_ptr<float>(), scalar);
-  auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0) return y.to(x.scalar_type());
-  at::Tensor u;  // (VNNI, int8 weights: Rows::u)
-  if (TERCET_VNNI && !nibbles && !scalar) u = q.view(at::kByte).bitwise_xor(128);
-  const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), blocks,
-                  u.defined() ? u.data_ptr<uint8_t>() : nullptr};
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  Scratch& s = scratch();
+  int8_t* q = at_least(s.q, m * k);
+  float* dx = at_least(s.dx, m * blocks);
+  float* sx = at_least(s.sx, m * blocks);
+  if (x.scalar_type() == at::kFloat) quantize_rows(src.data_ptr<float>(), m, k, q, dx, sx, scalar);
+  else quantize_rows(src.data_ptr<c10::BFloat16>(), m, k, q, dx, sx, scalar);
+  const uint8_t* u = nullptr;  // (VNNI, int8 weights: Rows::u)
+  if (TERCET_VNNI && !nibbles && !scalar) {
+    uint8_t* to = at_least(s.u, m * k);
+    for (int64_t i = 0; i < m * k; ++i) to[i] = static_cast<uint8_t>(q[i]) ^ 0x80;
+    u = to;
+  }
+  const Rows rows{q, dx, sx, blocks, u};
+  // the sums: straight into an fp32 result, else into the scratch and rounded to bf16 range by range (to
+  // nearest even, as torch's conversion), each plus the bias in fp32 first
+  const bool direct = x.scalar_type() == at::kFloat;
+  at::Tensor sums;  // (a large product's own, not kept)
+  if (!direct && m * n > kScratchSums) sums = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* y = direct ? out.data_ptr<float>() : sums.defined() ? sums.data_ptr<float>() : at_least(s.y, m * n);
+  at::Tensor bias32;
+  const float* b = nullptr;
+  if (bias) bias32 = bias->to(at::kFloat).contiguous(), b = bias32.data_ptr<float>();
+  auto* rounded = direct ? nullptr : out.data_ptr<c10::BFloat16>();
+  const auto finish = [&](int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < m; ++r) {
+      float* from = y + r * n;
+      if (direct) {
+        if (b != nullptr)
+          for (int64_t c = c0; c < c1; ++c) from[c] += b[c];
+        continue;
+      }
+      c10::BFloat16* to = rounded + r * n;
+      int64_t c = c0;
+#if TERCET_VEC
+      for (; c + vec::kLanes <= c1; c += vec::kLanes)
+        vec::store(to + c, b != nullptr ? vec::add(vec::load(from + c), vec::load(b + c)) : vec::load(from + c));
+#endif
+      for (; c < c1; ++c) to[c] = c10::BFloat16(b != nullptr ? from[c] + b[c] : from[c]);
+    }
+  };
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
   const int64_t used = (n + kLanes - 1) / kLanes;  // (pack_block_codes pads to 16 outputs)
   if (scales.scalar_type() == at::kHalf) {
     const auto* d = scales.data_ptr<c10::Half>();
     const auto* o = offsets.data_ptr<c10::Half>();
-    if (nibbles) product(rows, Weights<true, c10::Half>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
-    else product(rows, Weights<false, c10::Half>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
+    if (nibbles) product(rows, Weights<true, c10::Half>{c, d, o, blocks}, m, used, n, y, scalar, finish);
+    else product(rows, Weights<false, c10::Half>{c, d, o, blocks}, m, used, n, y, scalar, finish);
   } else {
     const auto* d = scales.data_ptr<float>();
     const auto* o = offsets.data_ptr<float>();
-    if (nibbles) product(rows, Weights<true, float>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
-    else product(rows, Weights<false, float>{c, d, o, blocks}, m, used, n, y.data_ptr<float>(), scalar);
+    if (nibbles) product(rows, Weights<true, float>{c, d, o, blocks}, m, used, n, y, scalar, finish);
+    else product(rows, Weights<false, float>{c, d, o, blocks}, m, used, n, y, scalar, finish);
   }
-  if (bias) y.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return out;
 }
 
 at::Tensor i8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

@@ -28,6 +28,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "share.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -499,7 +501,8 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   const int64_t num_blocks = static_cast<int64_t>(blocks.size()) - 1;
   int64_t work = 0;  // keys read, times the kv heads
   for (int64_t r = 0; r < rows; ++r) work += (lens[r] - first_key(lens[r], s)) * s.kv_heads;
-  const int64_t threads = work <= kSerialWork ? 1 : at::get_num_threads();
+  const tercet::Team* team = tercet::Team::current();  // (a decode step's, share.h: its threads)
+  const int64_t threads = work <= kSerialWork ? 1 : team != nullptr ? team->threads() : at::get_num_threads();
   if (most <= 1 || rows * s.kv_heads >= 2 * threads) {
     // An item is a block and all its kv heads, where there are blocks enough to share out (a key's heads
     // lie side by side in the cache: one thread then reads its slots whole, in order; by head, the
@@ -515,7 +518,7 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return cost[a / per_block] > cost[b / per_block]; });
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    tercet::parallel(threads, 1, [&](int64_t, int64_t) {
       Scratch& scratch = thread_scratch();
       // an item's rows' scaled queries and partial results, head after head: [heads_per_item][block's rows]
       float* query = scratch.query.at_least(heads_per_item * kBlockRows * group * dim);
@@ -572,7 +575,7 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] > keys[b]; });
   const int64_t count = static_cast<int64_t>(order.size());
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
+  tercet::parallel(std::min(threads, count), 1, [&](int64_t, int64_t) {
     Scratch& scratch = thread_scratch();
     float* query = scratch.query.at_least(group * dim);
     for (int64_t i = next++; i < count; i = next++) {
@@ -584,7 +587,7 @@ void attend_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
       split(&span, 1, 1, cache_of(row), h, first, last, s, scratch);
     }
   });
-  at::parallel_for(0, rows * s.kv_heads, kFoldGrain, [&](int64_t begin, int64_t end) {
+  tercet::parallel(rows * s.kv_heads, kFoldGrain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / s.kv_heads, h = item % s.kv_heads, j0 = first_key(lens[row], s) / kSplit;
       fold<T>(parts.data() + (item * most + j0) * size, splits_of(lens[row]) - j0, group, dim,
