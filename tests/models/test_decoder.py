@@ -130,3 +130,75 @@ def test_the_decoder_refuses_what_it_cannot_hold():
         decoder.add_layer(weight, weight, 0)
     with pytest.raises(RuntimeError, match="bad head counts"):
         cpu_kernels.decoder(4, 3, 16, 1e-5, 0.25)
+
+
+def team_steps(runner):
+    """Four prompts, then steps of 4, 16 and 17 rows (a team serves up to 16: share.h): every step's logits."""
+    prompts = [list(range(3 + 5 * i, 14 + 6 * i)) for i in range(4)]
+    pages = [list(range(start, start + 64)) for start in (0, 100, 200, 300, 400)]
+    out = runner.logits([SeqInput(p, pages[i]) for i, p in enumerate(prompts)], [0, 1, 2, 3])
+    done = [len(p) for p in prompts]
+    for chunk in (0, 12, 13):  # + 4 decode rows: 4, 16 and 17 rows
+        batch = [SeqInput([7 + i], pages[i], num_cached=done[i]) for i in range(4)]
+        if chunk:
+            batch.append(SeqInput(list(range(40, 40 + chunk)), pages[4], num_cached=12 if chunk == 13 else 0))
+        out += runner.logits(batch, list(range(len(batch))))
+        done = [n + 1 for n in done]
+    return out
+
+
+@pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                        (torch.bfloat16, True)])
+def test_a_step_as_one_team_has_the_bits_of_a_step_without(tiny_llama, dtype, int8, monkeypatch):
+    """A step of up to 16 rows runs as one team: the products' chunks taken in turn by its threads, the
+    helpers reading the next products' weights ahead; none of it changes a bit (nor the read-ahead's size)."""
+    if dtype == torch.bfloat16 and not cpu_kernels.bf16_linear_available():
+        pytest.skip("this CPU has no avx512_bf16 (vdpbf16ps): the bf16 kernels are not built")
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (a team, even on a one-core machine)
+    try:
+        loaded = as_gguf(tiny_llama)
+        calls, forward = [], cpu_kernels.decoder_forward
+        monkeypatch.setattr(cpu_kernels, "decoder_forward", lambda *a: calls.append(len(a[1])) or forward(*a))
+        results = []
+        for team in [(0, 0), (16, 0), (16, 64), (16, 1 << 20)]:
+            runner = ModelRunner(loaded, dtype=dtype, int8_activations=int8)
+            runner.model.decoder.set_team(*team)
+            results.append(team_steps(runner))
+    finally:
+        torch.set_num_threads(threads)
+    assert calls[:4] == [11 + 12 + 13 + 14, 4, 16, 17]  # every step through the decoder, at these rows
+    assert len(results[0]) == 4 + 4 + 5 + 5  # a sequence's logits a step
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+def test_a_failure_inside_a_team_step_is_raised_and_the_next_step_runs(tiny_llama, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(as_gguf(tiny_llama), dtype=torch.float32)
+        model, cfg = runner.model, tiny_llama.config
+        hidden, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+        caches = torch.zeros(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, head_dim)
+        x = torch.randn(1, hidden)
+        cos, sin = model.rotary["default"].at(torch.tensor([0]))
+        ints = dict(dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="page 1000 out of range"):  # raised within the team's step
+            cpu_kernels.decoder_forward(model.decoder, x.clone(), x.clone(), cos[:, 0], sin[:, 0], caches,
+                                        caches.clone(), torch.tensor([0]), torch.tensor([[1000]], **ints),
+                                        torch.tensor([0], **ints), torch.tensor([1], **ints), 16)
+        ours = team_steps(runner)  # the team ended with it: the next steps run, with the same bits
+        model.decoder.set_team(0, 0)
+        assert all(torch.equal(a, b) for a, b in zip(ours, team_steps(ModelRunner(as_gguf(tiny_llama), dtype=torch.float32)),
+                                                       strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_set_team_refuses_negative_sizes():
+    decoder = cpu_kernels.decoder(4, 2, 16, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="rows and read_ahead must be >= 0"):
+        decoder.set_team(-1, 0)
