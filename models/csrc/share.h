@@ -2,7 +2,7 @@
 //
 // Team: one parallel region around a whole decode step (decoder.cpp). The main thread runs the step's ops
 // one after another; each share() it calls is posted to the team's other threads, which spin between
-// jobs, instead of opening a region of its own (a region's start and end cost ~2 us each; ~120 of them a
+// jobs, instead of opening a region of its own (~1-2 us a region on a 2-core VM; ~120 of them a
 // step), its chunks taken in turn (the first thread is not left waiting for the second at the end of fixed
 // halves). While the main thread runs the small ops (norms, rope, attention, the activations' rounding),
 // the other threads read ahead the weights of the next products into the caches: a one-row step is
@@ -68,7 +68,7 @@ class Team {
   }
 
  private:
-  void help();
+  void help(bool read_ahead);
   void chunks();  // the posted job's chunks, as many as this thread gets
 
   int64_t ahead_;
@@ -117,7 +117,7 @@ inline void Team::chunks() {
   }
 }
 
-inline void Team::help() {
+inline void Team::help(bool read_ahead) {
   uint64_t seen = 0;  // jobs done
   int64_t product = 0, range = 0, offset = 0, at = -1;  // the next byte to read: (product, range, offset)
   int64_t pos = 0;  // ... counted from the step's first product
@@ -135,7 +135,7 @@ inline void Team::help() {
       at = now;
       if (product <= now) product = now + 1, range = 0, offset = 0, pos = start_[std::min(product, last)];
     }
-    if (product >= last || pos - start_[std::min(at + 1, last)] >= ahead_) {
+    if (!read_ahead || product >= last || pos - start_[std::min(at + 1, last)] >= ahead_) {
       relax();
       continue;
     }
@@ -163,7 +163,7 @@ void Team::run(int64_t threads, const Step& step) {
   std::exception_ptr error;
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     if (begin != 0) {
-      help();
+      help(at::get_thread_num() == 1);  // (one helper reads ahead: the others would read the same bytes)
       return;
     }
     // this thread's share of [0, threads) tells how many threads the region has (ATen's chunks)

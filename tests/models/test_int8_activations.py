@@ -147,6 +147,18 @@ def test_a_nan_stays_in_its_row_and_bf16_rows_give_bf16_with_the_bias_added_in_f
     assert torch.equal(got, cpu_kernels.i8_block_linear(h.float(), *codes, 64, bias).bfloat16())
 
 
+def test_bf16_rows_are_the_fp32_products_rounded_whether_the_sums_fit_the_scratch_or_not(kernels):
+    """bf16 products sum into a scratch reused call after call (up to 2^20 sums), larger ones into their own."""
+    weight = quantized(4096, 64, "q4_1")
+    codes = packed(weight)
+    g = torch.Generator().manual_seed(6)
+    x, bias = torch.randn(300, 64, generator=g).bfloat16(), torch.randn(4096, generator=g).bfloat16()
+    big = cpu_kernels.i8_block_linear(x, *codes, 4096, bias)  # 300 x 4096 sums: past the scratch
+    assert torch.equal(big, cpu_kernels.i8_block_linear(x.float(), *codes, 4096, bias.float()).bfloat16())
+    for rows in (1, 2, 200):  # within it, after a larger call and after each other
+        assert torch.equal(cpu_kernels.i8_block_linear(x[:rows], *codes, 4096, bias), big[:rows])
+
+
 def test_codes_it_does_not_take_and_shapes_that_do_not_fit_are_refused(kernels):
     assert int8_block_codes(quantized(32, 64, "q4_0")) == []  # signed nibbles: the exact path keeps them
     assert int8_block_codes(torch.randn(32, 64)) == []  # not codes at all
