@@ -6,6 +6,10 @@
 // model, a fifth of a decode step. Here each costs a dispatcher lookup already made (the typed
 // handles below) and the kernel's own allocation.
 //
+// Steps of up to 16 rows (`set_team`) run inside one parallel region, a team (share.h): the products' chunks go
+// to its threads without a region each, and while the main thread runs the small ops a helper reads the next
+// products' weights into the caches (a one-row step is bound by reading them).
+//
 // The projections are held as the Python classes keep them (models/projections.py), one `kind` each:
 //   0 fp32 panels (packed_linear), 1 fp32 block codes (block_linear),
 //   2 bf16 panels (bf16_linear), 3 bf16 block codes (bf16_block_linear), with their bf16 panels
@@ -16,6 +20,8 @@
 //   Decoder(heads, kv_heads, head_dim, eps, scale)
 //   .add_layer(post_norm, after_norm, window)   after_norm: the next layer's input norm, or the final norm
 //   .add_projection(kind, n, code_rows, tensors, bias?)
+//   .set_team(rows, read_ahead)   steps of up to `rows` rows as one team (default 16; 0: none), the helper reading
+//                                 `read_ahead` bytes ahead (default 2 MB)
 //   decoder_forward(decoder, x, h, cos, sin, k_cache, v_cache, slots, page_table, row_seq, row_lens, page_size) -> h
 //     x: the residual stream [T, hidden] (updated in place), h: the first layer's normed input;
 //     returns the hidden states after the final norm. k_cache / v_cache: every layer's [L, S, KVH, D].
@@ -26,6 +32,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -128,10 +135,16 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(kind >= kPanels && kind <= kInt8Codes && tensors.size() == want,
                 "Decoder: projection kind ", kind, " with ", tensors.size(), " tensors");
     TORCH_CHECK(!layers_.empty() && projections_.size() < 4 * layers_.size(), "Decoder: a projection without its layer");
-    std::vector<tercet::Team::Bytes> bytes;
-    for (size_t j = 0; j < std::min<size_t>(3, tensors.size()); ++j)
-      bytes.push_back({static_cast<const uint8_t*>(tensors[j].data_ptr()), tensors[j].numel() * tensors[j].element_size()});
-    weights_.push_back(std::move(bytes));
+    const auto bytes_of = [&](size_t first, size_t end) {
+      std::vector<tercet::Team::Bytes> bytes;
+      for (size_t j = first; j < end; ++j)
+        bytes.push_back({static_cast<const uint8_t*>(tensors[j].data_ptr()), tensors[j].numel() * tensors[j].element_size()});
+      return bytes;
+    };
+    const size_t codes = std::min<size_t>(3, tensors.size());  // (a kind 3's bf16 panels beside are the fourth)
+    weights_.push_back(bytes_of(0, codes));
+    wide_weights_.push_back(tensors.size() > 3 ? bytes_of(3, 4) : bytes_of(0, codes));
+    if (kind == kBf16Codes && code_rows >= 0) code_rows_ = std::min(code_rows_, code_rows);
     projections_.push_back({kind, n, code_rows, std::move(tensors), std::move(bias)});
   }
 
@@ -176,7 +189,7 @@ class Decoder : public torch::CustomClassHolder {
     };
     const int64_t threads = at::get_num_threads();
     if (rows <= team_rows_ && threads > 1 && !at::in_parallel_region()) {
-      tercet::Team team(&weights_, read_ahead_);
+      tercet::Team team(rows <= code_rows_ ? &weights_ : &wide_weights_, read_ahead_);
       team.run(threads, [&] { layers(&team); });
     } else {
       layers(nullptr);
@@ -189,7 +202,10 @@ class Decoder : public torch::CustomClassHolder {
   double eps_, scale_;
   std::vector<Layer> layers_;
   std::vector<Projection> projections_;
-  tercet::Team::Products weights_;  // what each product reads at few rows (the codes, not the bf16 panels beside)
+  // what each product reads (for the team's read-ahead): up to code_rows_ rows its codes, past them a kind 3's
+  // bf16 panels beside (a model's projections share one code_rows)
+  tercet::Team::Products weights_, wide_weights_;
+  int64_t code_rows_ = std::numeric_limits<int64_t>::max();
   // Up to this many rows a step runs as one team (share.h): a product's region costs more than its work there,
   // and reading the weights is what bounds the step; its helpers read this many bytes ahead of the products
   int64_t team_rows_ = 16, read_ahead_ = int64_t{2} << 20;

@@ -20,7 +20,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "share.h"
 
 #include <cmath>
 #include <algorithm>
@@ -28,6 +27,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "share.h"
 #include "vec.h"
 
 namespace {

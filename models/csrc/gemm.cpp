@@ -47,7 +47,6 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "share.h"
 
 #include <c10/util/Half.h>
 
@@ -62,6 +61,7 @@
 #include <vector>
 
 #include "block_codes.h"
+#include "share.h"
 #include "vec.h"
 
 #define TERCET_GEMM TERCET_VEC

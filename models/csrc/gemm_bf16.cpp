@@ -51,7 +51,6 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "share.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -66,6 +65,7 @@
 #include <vector>
 
 #include "block_codes.h"
+#include "share.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

@@ -45,9 +45,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "share.h"
-#include "vec.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -55,6 +52,9 @@
 #include <limits>
 #include <optional>
 #include <vector>
+
+#include "share.h"
+#include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TERCET_I8 1

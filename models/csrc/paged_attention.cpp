@@ -28,7 +28,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "share.h"
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "share.h"
 #include "vec.h"
 
 namespace {
