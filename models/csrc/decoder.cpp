@@ -6,9 +6,9 @@
 // model, a fifth of a decode step. Here each costs a dispatcher lookup already made (the typed
 // handles below) and the kernel's own allocation.
 //
-// Steps of up to 16 rows (`set_team`) run inside one parallel region, a team (share.h): the products' chunks go
-// to its threads without a region each, and while the main thread runs the small ops a helper reads the next
-// products' weights into the caches (a one-row step is bound by reading them).
+// In the int8 mode steps of up to 16 rows (`set_team`) run inside one parallel region, a team (share.h):
+// the products' chunks go to its threads without a region each, and while the main thread runs the small ops
+// a helper reads the next products' weights into the caches (a one-row step is bound by reading them).
 //
 // The projections are held as the Python classes keep them (models/projections.py), one `kind` each:
 //   0 fp32 panels (packed_linear), 1 fp32 block codes (block_linear),
@@ -20,8 +20,8 @@
 //   Decoder(heads, kv_heads, head_dim, eps, scale)
 //   .add_layer(post_norm, after_norm, window)   after_norm: the next layer's input norm, or the final norm
 //   .add_projection(kind, n, code_rows, tensors, bias?)
-//   .set_team(rows, read_ahead)   steps of up to `rows` rows as one team (default 16; 0: none), the helper reading
-//                                 `read_ahead` bytes ahead (default 2 MB)
+//   .set_team(rows, read_ahead)   steps of up to `rows` rows as one team (0: none; default 16 where a projection
+//                                 is of kind 4, else 0), the helper reading `read_ahead` bytes ahead (default 2 MB)
 //   decoder_forward(decoder, x, h, cos, sin, k_cache, v_cache, slots, page_table, row_seq, row_lens, page_size) -> h
 //     x: the residual stream [T, hidden] (updated in place), h: the first layer's normed input;
 //     returns the hidden states after the final norm. k_cache / v_cache: every layer's [L, S, KVH, D].
@@ -145,6 +145,7 @@ class Decoder : public torch::CustomClassHolder {
     weights_.push_back(bytes_of(0, codes));
     wide_weights_.push_back(tensors.size() > 3 ? bytes_of(3, 4) : bytes_of(0, codes));
     if (kind == kBf16Codes && code_rows >= 0) code_rows_ = std::min(code_rows_, code_rows);
+    int8_ = int8_ || kind == kInt8Codes;
     projections_.push_back({kind, n, code_rows, std::move(tensors), std::move(bias)});
   }
 
@@ -188,7 +189,8 @@ class Decoder : public torch::CustomClassHolder {
       }
     };
     const int64_t threads = at::get_num_threads();
-    if (rows <= team_rows_ && threads > 1 && !at::in_parallel_region()) {
+    const int64_t team_rows = team_rows_ >= 0 ? team_rows_ : int8_ ? kTeamRows : 0;
+    if (rows <= team_rows && threads > 1 && !at::in_parallel_region()) {
       tercet::Team team(rows <= code_rows_ ? &weights_ : &wide_weights_, read_ahead_);
       team.run(threads, [&] { layers(&team); });
     } else {
@@ -207,8 +209,13 @@ class Decoder : public torch::CustomClassHolder {
   tercet::Team::Products weights_, wide_weights_;
   int64_t code_rows_ = std::numeric_limits<int64_t>::max();
   // Up to this many rows a step runs as one team (share.h): a product's region costs more than its work there,
-  // and reading the weights is what bounds the step; its helpers read this many bytes ahead of the products
-  int64_t team_rows_ = 16, read_ahead_ = int64_t{2} << 20;
+  // and reading the weights is what bounds the step; its helper reads this many bytes ahead of the products.
+  // By default only a decoder with int8 products (kind 4) has one: there steps of 1-16 rows measured 1.05-1.11x;
+  // the exact kernels at one row are bound by their instructions, and the AVX2 fp32 one measured 0.90-0.94x
+  // with the read-ahead (docs/cpu-performance.md). team_rows_ -1: that default; set_team sets it.
+  static constexpr int64_t kTeamRows = 16;
+  int64_t team_rows_ = -1, read_ahead_ = int64_t{2} << 20;
+  bool int8_ = false;  // a projection of kind 4
 };
 
 Tensor decoder_forward(const c10::intrusive_ptr<Decoder>& decoder, Tensor x, Tensor h, const Tensor& cos,

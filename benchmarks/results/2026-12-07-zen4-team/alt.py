@@ -10,7 +10,7 @@ from models.runner import ModelRunner, SeqInput, default_dtype
 B, P, N = (int(a) for a in sys.argv[1:4])
 configs = {"off": (0, 0), "team": (16, 2 << 20), "team-noread": (16, 0), "t1M": (16, 1 << 20), "t4M": (16, 4 << 20), "t8M": (16, 8 << 20)}
 if os.environ.get("CONFIGS"): configs = {k: configs[k] for k in os.environ["CONFIGS"].split(",")}
-dtype = default_dtype(torch.device("cpu"))
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(os.environ.get("DT", ""), None) or default_dtype(torch.device("cpu"))
 loaded = load_model(None)
 runner = ModelRunner(loaded, dtype=dtype, kv_budget_bytes=1 << 30, int8_activations=bool(os.environ.get("INT8")))
 dec = runner.model.decoder
