@@ -151,6 +151,9 @@ class Decoder : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // the rows up to which a step runs as a team (set_team's, or the default for the projections held)
+  int64_t team_rows() const { return team_rows_ >= 0 ? team_rows_ : int8_ ? kTeamRows : 0; }
+
   // steps of up to `rows` rows as a team (0: never), its helpers reading `read_ahead` bytes ahead
   void set_team(int64_t rows, int64_t read_ahead) {
     TORCH_CHECK(rows >= 0 && read_ahead >= 0, "Decoder.set_team: rows and read_ahead must be >= 0");
@@ -189,8 +192,7 @@ class Decoder : public torch::CustomClassHolder {
       }
     };
     const int64_t threads = at::get_num_threads();
-    const int64_t team_rows = team_rows_ >= 0 ? team_rows_ : int8_ ? kTeamRows : 0;
-    if (rows <= team_rows && threads > 1 && !at::in_parallel_region()) {
+    if (rows <= team_rows() && threads > 1 && !at::in_parallel_region()) {
       tercet::Team team(rows <= code_rows_ ? &weights_ : &wide_weights_, read_ahead_);
       team.run(threads, [&] { layers(&team); });
     } else {
@@ -233,7 +235,8 @@ TORCH_LIBRARY_FRAGMENT(tercet, m) {
       .def("add_layer", &Decoder::add_layer)
       .def("add_projection", &Decoder::add_projection)
       .def("num_layers", &Decoder::num_layers)
-      .def("set_team", &Decoder::set_team);
+      .def("set_team", &Decoder::set_team)
+      .def("team_rows", &Decoder::team_rows);
   // an op, not a method: torch.ops calls release the GIL while they run (the server's event loop goes on)
   m.def("decoder_forward(__torch__.torch.classes.tercet.Decoder decoder, Tensor(a!) x, Tensor h, Tensor cos, "
         "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor page_table, Tensor row_seq, "

@@ -198,7 +198,13 @@ def test_a_failure_inside_a_team_step_is_raised_and_the_next_step_runs(tiny_llam
         torch.set_num_threads(threads)
 
 
-def test_set_team_refuses_negative_sizes():
-    decoder = cpu_kernels.decoder(4, 2, 16, 1e-5, 0.25)
+def test_only_the_int8_modes_decoder_has_a_team_by_default_and_set_team_sets_it(tiny_llama, monkeypatch):
+    monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
+    loaded = as_gguf(tiny_llama)
+    exact, int8 = (ModelRunner(loaded, dtype=torch.float32, int8_activations=on).model.decoder for on in (False, True))
+    assert exact.team_rows() == 0 and int8.team_rows() == 16
+    exact.set_team(4, 0)
+    int8.set_team(0, 0)
+    assert exact.team_rows() == 4 and int8.team_rows() == 0
     with pytest.raises(RuntimeError, match="rows and read_ahead must be >= 0"):
-        decoder.set_team(-1, 0)
+        exact.set_team(-1, 0)
