@@ -48,7 +48,7 @@ class Team {
     start_.push_back(total);
   }
 
-  // The step (the main thread, `step()`) with `helpers` more threads in one parallel region; every
+  // The step (the main thread, `step()`) and `threads` - 1 helpers in one parallel region; every
   // share() the main thread calls meanwhile is this team's. Without helpers, step() alone.
   template <typename Step>
   void run(int64_t threads, const Step& step);
