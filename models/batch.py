@@ -94,7 +94,7 @@ def build_batch(
         if backend == "triton-split":
             attention.split = split
             attention.row_table, attention.row_pos = _triton_rows(decode, prefill, positions, page_size, device)
-    plan = AttentionPlan(torch.cat(slot_parts).to(device), attention)
+    plan = AttentionPlan((torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(device), attention)
     if windowed and not plan.windows:
         groups = _split_groups(decode, prefill, chunks, page_size, split or DEFAULT_SPLIT, device)
         plan.fallback = SplitAttention(groups)
@@ -128,9 +128,12 @@ def _decode_tables(decode: Sequence[_Seq], page_size: int):
     table = torch.tensor(
         [[*s.page_table[:w], *([0] * (widest - w))] for s, w in zip(decode, widths)], dtype=torch.int32
     )
-    last = torch.tensor([s.num_cached for s in decode])
-    slots = table.long()[torch.arange(len(decode)), last // page_size] * page_size + last % page_size
-    return table, (last + 1).to(torch.int32), slots
+    # in Python, not as ~10 tensor ops: each of those costs ~10-20 us in a decode step, where the weights
+    # streamed through the caches just before have evicted the code and data they touch
+    lens = torch.tensor([s.num_cached + 1 for s in decode], dtype=torch.int32)
+    slots = torch.tensor([s.page_table[s.num_cached // page_size] * page_size + s.num_cached % page_size
+                          for s in decode], dtype=torch.long)
+    return table, lens, slots
 
 
 def _row_tables(decode: Sequence[_Seq], prefill: Sequence[_Seq], positions: list[int], page_size: int):

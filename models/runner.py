@@ -270,7 +270,10 @@ class ModelRunner:
         # the sampler's (argmax, logsumexp) pass, made here where it also finds the NaN rows; on CPU it reads the
         # head's bf16 or fp16 logits as they are (fp32 only where a draw, an edit or top_logprobs needs them)
         reduced, kernel = None, self.device.type == "cpu" and cpu_kernels.load()
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)], fp32=not kernel)
+        # (every row in order, a decode step's: the rows as they are, without an index tensor and a copy)
+        whole = rows == list(range(len(hidden))) and hidden.is_contiguous()
+        chosen = hidden if whole else hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.logits(chosen, fp32=not kernel)
         if kernel:
             reduced = cpu_kernels.argmax_logsumexp(logits.contiguous())
         nan = nan_rows(logits, None if reduced is None else torch.isnan(reduced[1]))

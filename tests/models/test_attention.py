@@ -62,3 +62,32 @@ def test_rows_are_split_only_where_the_saved_padding_pays():
     buckets = decode_buckets(table, spread, 1, 3)
     assert [b.rows.tolist() for b in buckets] == [list(range(8)), list(range(8, 64))]
     assert all(b.mask is None for b in buckets)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_decode_batch_stores_each_row_in_its_pages_slot_and_reads_its_context(page_size):
+    """A decode step's tables (built in Python, not tensor ops): row i's new token goes to the slot of
+    position num_cached in its pages (the last of a page and the first of the next too), it reads
+    num_cached + 1 keys, and its table row holds its pages, padded with zeros."""
+    from models.batch import build_batch
+    from models.runner import SeqInput
+
+    g = torch.Generator().manual_seed(page_size)
+    cached = [0, page_size - 1, page_size, 5 * page_size + 3, 40]
+    pages = torch.randperm(200, generator=g).tolist()
+    seqs, at = [], 0
+    for n in cached:
+        width = pages_for(n + 1, page_size) + 1  # (a page past the one written: never read)
+        seqs.append(SeqInput([7], pages[at : at + width], num_cached=n))
+        at += width
+    batch = build_batch(seqs, page_size, "cpu", "kernel", kv_heads=3)
+    want = [s.page_table[n // page_size] * page_size + n % page_size for s, n in zip(seqs, cached)]
+    assert batch.plan.slots.dtype == torch.long and batch.plan.slots.tolist() == want
+    attention = batch.plan.backend
+    assert attention.row_lens.dtype == torch.int32 and attention.row_lens.tolist() == [n + 1 for n in cached]
+    assert attention.row_seq.tolist() == list(range(len(seqs)))
+    for i, (s, n) in enumerate(zip(seqs, cached)):
+        width = pages_for(n + 1, page_size)
+        assert attention.page_table[i, :width].tolist() == list(s.page_table[:width])
+        assert not attention.page_table[i, width:].any()
+    assert batch.positions.tolist() == cached and batch.input_ids.tolist() == [7] * len(seqs)
