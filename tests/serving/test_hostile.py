@@ -361,9 +361,18 @@ async def test_past_the_scheduler_bounds_requests_are_refused_before_any_work(nu
                 ended.append(await client.post("/generate", json=long))
 
             async with trio.open_nursery() as inner:
-                for _ in range(3):
+                for n in range(3):
                     inner.start_soon(hold)
-                with trio.fail_after(60):  # (a holder answered at once never shows up: no endless wait for it)
+                    # one at a time, each seen by the scheduler before the next: two arriving in one of its rounds
+                    # met a queue still holding the first (it starts queued requests at its next step), and the
+                    # second was refused (a full run at ea7fd08 on a loaded host, all five rounds)
+                    with trio.fail_after(60):  # (a holder answered at once never shows up: no endless wait for it)
+                        while not ended:
+                            info = (await client.get("/server_info")).json()
+                            if info["running"] + info["waiting"] > n:
+                                break
+                            await trio.sleep(0.005)
+                with trio.fail_after(60):
                     while len(tm.rid_to_state) < 3 and not ended:
                         await trio.sleep(0.005)
                 r = await client.post("/generate", content=b"not even JSON")  # refused before it is parsed
