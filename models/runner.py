@@ -276,9 +276,11 @@ class ModelRunner:
         logits = self.model.logits(chosen, fp32=not kernel)
         if kernel:
             reduced = cpu_kernels.argmax_logsumexp(logits.contiguous())
-        nan = nan_rows(logits, None if reduced is None else torch.isnan(reduced[1]))
+        suspect = None if reduced is None else torch.isnan(reduced[1])
+        # (no NaN logsumexp: no row holds a NaN, nothing more to look at)
+        nan = None if suspect is not None and not bool(suspect.any()) else nan_rows(logits, suspect)
         cut: dict[int, int] = {}  # a sequence's draws end before a draft row with NaN logits
-        if bool(nan.any()):
+        if nan is not None and bool(nan.any()):
             bad = nan.nonzero().flatten().tolist()
             failed = sorted({owners[r] for r in bad if not drafted[r]})
             if failed:  # where plain decoding would have drawn: the request's answer

@@ -327,13 +327,26 @@ inline __m512i bcast4z(const int8_t* p) {
 }
 
 template <int R, int P, bool Nibbles, typename S>
-void tile_pairs(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m512 (&y)[R][P]) {
+void tile_pairs(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m512 (&y)[R][P], bool ahead) {
   const __m512i mask = _mm512_set1_epi8(15), one8 = _mm512_set1_epi8(1);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) y[r][j] = _mm512_setzero_ps();
   const int64_t stride = w.blocks * w.kBytes;
   const uint8_t* c = w.codes + p * stride;
+  // `ahead`: the next 2P panels asked for into L1 as these are read, block by block (their codes, and their
+  // scales a line a block): the hardware's prefetchers alone left the 2P streams waiting on memory (one-row int8
+  // steps 1.03x, 4 rows 1.10x, 8 rows 1.07x, 16 rows 1.01x on a Zen 4 EPYC, alternated; two or four groups ahead:
+  // 0.99x and 0.92x). Only past the last panel may it ask for addresses outside the weights: a prefetch never faults.
+  const char* next_d = reinterpret_cast<const char*>(w.d + (p + 2 * P) * w.blocks * kLanes);
+  const char* next_m = reinterpret_cast<const char*>(w.m + (p + 2 * P) * w.blocks * kLanes);
+  const int64_t scale_bytes = 2 * P * w.blocks * kLanes * static_cast<int64_t>(sizeof(S));
   for (int64_t b = 0; b < w.blocks; ++b, c += w.kBytes) {
+    if (ahead) {
+      for (int j = 0; j < 2 * P; ++j)
+        for (int64_t l = 0; l < w.kBytes; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(c + (2 * P + j) * stride + l), _MM_HINT_T0);
+      if (b * 64 < scale_bytes) _mm_prefetch(next_d + b * 64, _MM_HINT_T0), _mm_prefetch(next_m + b * 64, _MM_HINT_T0);
+    }
     __m512i even[R][P], odd[R][P];
     const int8_t* qx[R];
     for (int r = 0; r < R; ++r) {
@@ -394,9 +407,10 @@ void tile_pairs(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
 
 // R rows of 2P panels, every one whole (the caller keeps a last partial panel for tile_store)
 template <int R, int P, bool Nibbles, typename S>
-void pairs_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, float* y, int64_t ldy) {
+void pairs_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, float* y, int64_t ldy,
+                 bool ahead = true) {
   __m512 acc[R][P];
-  tile_pairs<R, P>(x, w, r0, p, acc);
+  tile_pairs<R, P>(x, w, r0, p, acc, ahead);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) _mm512_storeu_ps(y + r * ldy + 2 * j * kLanes, acc[r][j]);
 }
@@ -456,11 +470,12 @@ void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
       for (; begin + 2 <= whole; begin += 2) {
         int64_t r = 0;
         float* out = y + begin * kLanes;
-        for (; r + kRowTile <= rows; r += kRowTile) pairs_store<kRowTile, 1>(x, w, r0 + r, begin, out + r * n, n);
+        // (the next pair asked for by the first tile of rows only: the others find this pair in L1)
+        for (; r + kRowTile <= rows; r += kRowTile) pairs_store<kRowTile, 1>(x, w, r0 + r, begin, out + r * n, n, r == 0);
         switch (rows - r) {
-          case 3: pairs_store<3, 1>(x, w, r0 + r, begin, out + r * n, n); break;
-          case 2: pairs_store<2, 1>(x, w, r0 + r, begin, out + r * n, n); break;
-          case 1: pairs_store<1, 1>(x, w, r0 + r, begin, out + r * n, n); break;
+          case 3: pairs_store<3, 1>(x, w, r0 + r, begin, out + r * n, n, r == 0); break;
+          case 2: pairs_store<2, 1>(x, w, r0 + r, begin, out + r * n, n, r == 0); break;
+          case 1: pairs_store<1, 1>(x, w, r0 + r, begin, out + r * n, n, r == 0); break;
           default: break;
         }
       }
