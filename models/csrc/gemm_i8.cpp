@@ -242,13 +242,24 @@ inline __m256i bcast4(const int8_t* p) {
 // holds row r0 + r's outputs 8 (p + j) .. 8 (p + j) + 7. Every (row, output) goes through the same integer sums and
 // the same two FMAs a block whatever R and C: the same bits.
 template <int R, int C, bool Nibbles, typename S>
-void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m256 (&y)[R][C]) {
+void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __m256 (&y)[R][C], bool ahead) {
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) y[r][j] = _mm256_setzero_ps();
   const int64_t stride = w.blocks * w.kBytes;  // one panel's codes
   const uint8_t* c = w.codes + p * stride;
+  // `ahead`: the next C panels asked for into L1 as these are read, as tile_pairs does (the AVX2 build's one-row int8
+  // steps 1.06-1.09x on a Zen 4 EPYC, 4 rows 1.00x, alternated in one process)
+  const char* next_d = reinterpret_cast<const char*>(w.d + (p + C) * w.blocks * kLanes);
+  const char* next_m = reinterpret_cast<const char*>(w.m + (p + C) * w.blocks * kLanes);
+  const int64_t scale_bytes = C * w.blocks * kLanes * static_cast<int64_t>(sizeof(S));
   for (int64_t b = 0; b < w.blocks; ++b, c += w.kBytes) {
+    if (ahead) {
+      for (int j = 0; j < C; ++j)
+        for (int64_t l = 0; l < w.kBytes; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(c + (C + j) * stride + l), _MM_HINT_T0);
+      if (b * 64 < scale_bytes) _mm_prefetch(next_d + b * 64, _MM_HINT_T0), _mm_prefetch(next_m + b * 64, _MM_HINT_T0);
+    }
     __m256i isum[R][C];
     const int8_t* qx[R];
     for (int r = 0; r < R; ++r) qx[r] = x.q + ((r0 + r) * x.blocks + b) * kGroup;
@@ -419,9 +430,9 @@ void pairs_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_
 // the tile into y (row stride ldy): panel p + j's outputs at y + 8 j, `cols` of the last panel's (the rest whole)
 template <int R, int C, bool Nibbles, typename S>
 void tile_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, float* y, int64_t ldy,
-                int64_t cols) {
+                int64_t cols, bool ahead = true) {
   __m256 acc[R][C];
-  tile<R, C>(x, w, r0, p, acc);
+  tile<R, C>(x, w, r0, p, acc, ahead);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) {
       float* out = y + r * ldy + j * kLanes;
@@ -484,11 +495,12 @@ void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kLanes, n - p * kLanes);
       int64_t r = 0;
-      for (; r + kRowTile <= rows; r += kRowTile) tile_store<kRowTile, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols);
+      for (; r + kRowTile <= rows; r += kRowTile)
+        tile_store<kRowTile, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols, r == 0);
       switch (rows - r) {
-        case 3: tile_store<3, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols); break;
-        case 2: tile_store<2, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols); break;
-        case 1: tile_store<1, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols); break;
+        case 3: tile_store<3, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols, r == 0); break;
+        case 2: tile_store<2, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols, r == 0); break;
+        case 1: tile_store<1, 1>(x, w, r0 + r, p, y + r * n + p * kLanes, n, cols, r == 0); break;
         default: break;
       }
     }
