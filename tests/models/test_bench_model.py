@@ -36,3 +36,8 @@ def test_bench_model_smoke_writes_its_json(tmp_path):
         assert bounds["batch"] == row["batch"] and bounds["binds"] in ("bandwidth", "compute")
         assert bounds["bandwidth_bound_tok_s"] > 0 and bounds["compute_bound_tok_s"] > 0
         assert bounds["pct_of_bound"] == max(bounds["pct_of_bandwidth_bound"], bounds["pct_of_compute_bound"]) > 0
+        for mode in ("off", "torch", "int8"):  # each mode beside its own bound, over the weights as it holds them
+            assert row[f"{mode}_bounds"]["batch"] == row["batch"] and row[f"{mode}_bounds"]["pct_of_bandwidth_bound"] > 0
+    # the bandwidth read before and after the runs, the bounds over the higher
+    assert result["bounds_bandwidth"] == max(round(machine["bandwidth"]), result["bandwidth_after"]) > 0
+    assert "read again after the runs" in run.stderr
