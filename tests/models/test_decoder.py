@@ -147,16 +147,18 @@ def team_steps(runner):
     return out
 
 
-@pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
-                                        (torch.bfloat16, True)])
-def test_a_step_as_one_team_has_the_bits_of_a_step_without(tiny_llama, dtype, int8, monkeypatch):
-    """A step of up to 16 rows runs as one team: the products' chunks taken in turn by its threads, the
-    helpers reading the next products' weights ahead; none of it changes a bit (nor the read-ahead's size)."""
+@pytest.mark.parametrize("dtype,int8,threads", [(torch.float32, False, 2), (torch.float32, True, 2),
+                                                (torch.bfloat16, False, 2), (torch.bfloat16, True, 2),
+                                                (torch.float32, True, 4)])
+def test_a_step_as_one_team_has_the_bits_of_a_step_without(tiny_llama, dtype, int8, threads, monkeypatch):
+    """A step of up to 16 rows runs as one team: each thread takes its run of a product's chunks and then the
+    others' last ones, the helpers reading the next products' weights ahead; none of it changes a bit (nor the
+    read-ahead's size). With more threads than cores some runs are taken by the others while their owners wait."""
     if dtype == torch.bfloat16 and not cpu_kernels.bf16_linear_available():
         pytest.skip("this CPU has no avx512_bf16 (vdpbf16ps): the bf16 kernels are not built")
     monkeypatch.setattr(probes, "kernel_pays", lambda *a, **k: True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # (a team, even on a one-core machine)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # (a team, even on a one-core machine)
     try:
         loaded = as_gguf(tiny_llama)
         calls, forward = [], cpu_kernels.decoder_forward
@@ -167,7 +169,7 @@ def test_a_step_as_one_team_has_the_bits_of_a_step_without(tiny_llama, dtype, in
             runner.model.decoder.set_team(*team)
             results.append(team_steps(runner))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     assert calls[:4] == [11 + 12 + 13 + 14, 4, 16, 17]  # every step through the decoder, at these rows
     assert len(results[0]) == 4 + 4 + 5 + 5  # a sequence's logits a step
     for other in results[1:]:
