@@ -248,8 +248,9 @@ void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __
     for (int j = 0; j < C; ++j) y[r][j] = _mm256_setzero_ps();
   const int64_t stride = w.blocks * w.kBytes;  // one panel's codes
   const uint8_t* c = w.codes + p * stride;
-  // `ahead`: the next C panels asked for into L1 as these are read, as tile_pairs does (the AVX2 build's one-row int8
-  // steps 1.06-1.09x on a Zen 4 EPYC, 4 rows 1.00x, alternated in one process)
+  // `ahead`: the next C panels asked for as these are read, as tile_pairs does (the AVX2 build's one-row int8 steps
+  // 1.06-1.09x on a Zen 4 EPYC, 4 rows 1.00x, alternated in one process), into L2 where a tile reads several panels
+  // (one row 1.13x more than into L1) and into L1 where it reads one (4 rows: into L2 0.975-0.987x)
   const char* next_d = reinterpret_cast<const char*>(w.d + (p + C) * w.blocks * kLanes);
   const char* next_m = reinterpret_cast<const char*>(w.m + (p + C) * w.blocks * kLanes);
   const int64_t scale_bytes = C * w.blocks * kLanes * static_cast<int64_t>(sizeof(S));
@@ -257,7 +258,7 @@ void tile(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, __
     if (ahead) {
       for (int j = 0; j < C; ++j)
         for (int64_t l = 0; l < w.kBytes; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(c + (C + j) * stride + l), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(c + (C + j) * stride + l), C > 1 ? _MM_HINT_T1 : _MM_HINT_T0);
       if (b * 64 < scale_bytes) _mm_prefetch(next_d + b * 64, _MM_HINT_T0), _mm_prefetch(next_m + b * 64, _MM_HINT_T0);
     }
     __m256i isum[R][C];
@@ -344,10 +345,12 @@ void tile_pairs(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
     for (int j = 0; j < P; ++j) y[r][j] = _mm512_setzero_ps();
   const int64_t stride = w.blocks * w.kBytes;
   const uint8_t* c = w.codes + p * stride;
-  // `ahead`: the next 2P panels asked for into L1 as these are read, block by block (their codes, and their
-  // scales a line a block): the hardware's prefetchers alone left the 2P streams waiting on memory (one-row int8
-  // steps 1.03x, 4 rows 1.10x, 8 rows 1.07x, 16 rows 1.01x on a Zen 4 EPYC, alternated; two or four groups ahead:
-  // 0.99x and 0.92x). Only past the last panel may it ask for addresses outside the weights: a prefetch never faults.
+  // `ahead`: the next 2P panels asked for as these are read, block by block (their codes into L2, and their scales
+  // into L1 a line a block): the hardware's prefetchers alone left the 2P streams waiting on memory (into L1: one-row
+  // int8 steps 1.03x, 4 rows 1.10x, 8 rows 1.07x, 16 rows 1.01x on a Zen 4 EPYC, alternated; two or four groups
+  // ahead: 0.99x and 0.92x). The codes into L2 rather than L1: one row 1.09-1.11x more, 4 rows 1.02x, 8 rows 1.05x,
+  // 32 rows 1.01x (L1's few misses in flight bound the streams; two groups ahead into L2, 0.99x). Only past the last
+  // panel may it ask for addresses outside the weights: a prefetch never faults.
   const char* next_d = reinterpret_cast<const char*>(w.d + (p + 2 * P) * w.blocks * kLanes);
   const char* next_m = reinterpret_cast<const char*>(w.m + (p + 2 * P) * w.blocks * kLanes);
   const int64_t scale_bytes = 2 * P * w.blocks * kLanes * static_cast<int64_t>(sizeof(S));
@@ -355,7 +358,7 @@ void tile_pairs(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
     if (ahead) {
       for (int j = 0; j < 2 * P; ++j)
         for (int64_t l = 0; l < w.kBytes; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(c + (2 * P + j) * stride + l), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(c + (2 * P + j) * stride + l), _MM_HINT_T1);
       if (b * 64 < scale_bytes) _mm_prefetch(next_d + b * 64, _MM_HINT_T0), _mm_prefetch(next_m + b * 64, _MM_HINT_T0);
     }
     __m512i even[R][P], odd[R][P];
