@@ -216,11 +216,16 @@ template <typename T, int C, bool L2 = false>
 inline void ask_for(const T* cache, const int64_t* slots, int64_t m, const Shape& s, int64_t h) {
   for (int64_t i = 0; i < m; ++i) prefetch<T, L2>(cache + (slots[i] * s.kv_heads + h) * C * L, C * L);
 }
-// Besides the next block into L1, the block this many on into L2 (the same phase, keys or values): the L1 ask
-// alone came one block, ~130 cycles of work, ahead of ~300 of memory latency. One row, 2048 keys from memory, a
+// Besides the next block, the block this many on into L2 (the same phase, keys or values): the next block's ask
+// alone (into L1 then) came one block, ~130 cycles of work, ahead of ~300 of memory latency. One row, 2048 keys from memory, a
 // call: one thread 428 -> 306 us, two 224-238 -> 177 (2 blocks on: 316 / 262; 8: 336 / 197); decode steps
 // alternated: 1 row at 1800-2050 keys 1.18x, at 128-378 1.08x, 8 sequences 1.10x, prefill of 512 even (Zen 3 EPYC)
 constexpr int64_t kFar = 4;
+// The next block's ask into L2 as well with AVX-512: into L1 it left L1's few misses in flight bounding the stream
+// (Zen 4 EPYC, decode steps alternated in one process: one row at 120-720 keys 1.03-1.06x, at 300-800 1.05x, at
+// 1000-1300 1.10x, 8 rows 1.07x, 32 rows 1.06x; a prefill of 1024 even; without the next block's ask 0.98x). The
+// AVX2 build measured even there, and its L1 ask was tuned on a Zen 3, so it keeps it.
+constexpr bool kNextIntoL2 = L == 16;
 
 constexpr int kMaxGroup = 16;  // query heads per kv head
 // heads whose sums weigh_values keeps in registers at once (C vectors each, in 32 or 16 registers):
@@ -311,15 +316,15 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
   alignas(64) float block[L][C * L];
   const float* row_of[L];  // key j of the block: its floats (in block, or in a float cache itself)
   // The split's blocks in the order they are read: the keys' [0, blocks), then the values' [blocks, 2 blocks).
-  // While a block's head h + i is staged, the next block's is asked for into L1 (the values' first after the keys'
-  // last; asking 2 or 3 blocks ahead into L1 measured slower), and the one kFar on into L2.
+  // While a block's head h + i is staged, the next block's is asked for (the values' first after the keys' last;
+  // asking 2 or 3 blocks ahead into L1 measured slower on a Zen 3 EPYC) and the one kFar on into L2 (kNextIntoL2).
   const int64_t blocks = (hi - lo + L - 1) / L;
   const auto staged = [&](bool values, int64_t t0, int64_t i) {  // head h + i's keys (or values) [t0, t0 + m)
     const int64_t m = std::min<int64_t>(L, hi - t0);              // at row_of; m
     const int64_t next = (values ? blocks : 0) + (t0 - lo) / L + 1;
     if (next < 2 * blocks) {
       const int64_t first = (next % blocks) * L;
-      ask_for<T, C>(next < blocks ? cache.k : cache.v, slots + first, std::min<int64_t>(L, hi - lo - first), s, h + i);
+      ask_for<T, C, kNextIntoL2>(next < blocks ? cache.k : cache.v, slots + first, std::min<int64_t>(L, hi - lo - first), s, h + i);
     }
     if (kFar > 0) {  // into L2 further ahead, within the same phase
       const int64_t far = (t0 - lo) / L + kFar;

@@ -1,9 +1,9 @@
-"""int8 steps with env settings toggled step by step (read by a temporary build's kernels): python alt_env.py B P N "A=1,B=2" "A=0" ... (the first the base)"""
+"""int8 steps (EXACT=1: the default mode; DT=fp32: fp32) with env settings toggled step by step (read by a temporary build's kernels): python alt_env.py B P N "A=1,B=2" "A=0" ... (the first the base)"""
 import os, sys, time, statistics, torch
 from models.loading import load_model
 from models.runner import ModelRunner, SeqInput, default_dtype
 B, P, N = (int(a) for a in sys.argv[1:4]); modes = sys.argv[4:]
-runner = ModelRunner(load_model(None), dtype=default_dtype(torch.device("cpu")), kv_budget_bytes=1 << 30, int8_activations=not os.environ.get("EXACT"))
+runner = ModelRunner(load_model(None), dtype=torch.float32 if os.environ.get("DT") == "fp32" else default_dtype(torch.device("cpu")), kv_budget_bytes=1 << 30, int8_activations=not os.environ.get("EXACT"))
 prompts = [[100 + (i * 7 + j) % 30000 for j in range(P)] for i in range(B)]
 tables = [runner.kv.allocate(runner.kv.pages_for(P + N + 40)) for _ in prompts]
 last = runner.step([SeqInput(p, t, 0, True) for p, t in zip(prompts, tables)]).token_ids
