@@ -217,8 +217,8 @@ inline void ask_for(const T* cache, const int64_t* slots, int64_t m, const Shape
   for (int64_t i = 0; i < m; ++i) prefetch<T, L2>(cache + (slots[i] * s.kv_heads + h) * C * L, C * L);
 }
 // Besides the next block, the block this many on into L2 (the same phase, keys or values): the next block's ask
-// alone (into L1 then) came one block, ~130 cycles of work, ahead of ~300 of memory latency. One row, 2048 keys from memory, a
-// call: one thread 428 -> 306 us, two 224-238 -> 177 (2 blocks on: 316 / 262; 8: 336 / 197); decode steps
+// alone (into L1 then) came one block, ~130 cycles of work, ahead of ~300 of memory latency. One row, 2048 keys
+// from memory, a call: one thread 428 -> 306 us, two 224-238 -> 177 (2 blocks on: 316 / 262; 8: 336 / 197); decode steps
 // alternated: 1 row at 1800-2050 keys 1.18x, at 128-378 1.08x, 8 sequences 1.10x, prefill of 512 even (Zen 3 EPYC)
 constexpr int64_t kFar = 4;
 // The next block's ask into L2 as well with AVX-512: into L1 it left L1's few misses in flight bounding the stream
@@ -324,7 +324,8 @@ void split_vec(const RowSpan* rows, int64_t count, int64_t nh, const Cache<T>& c
     const int64_t next = (values ? blocks : 0) + (t0 - lo) / L + 1;
     if (next < 2 * blocks) {
       const int64_t first = (next % blocks) * L;
-      ask_for<T, C, kNextIntoL2>(next < blocks ? cache.k : cache.v, slots + first, std::min<int64_t>(L, hi - lo - first), s, h + i);
+      ask_for<T, C, kNextIntoL2>(next < blocks ? cache.k : cache.v, slots + first,
+                                 std::min<int64_t>(L, hi - lo - first), s, h + i);
     }
     if (kFar > 0) {  // into L2 further ahead, within the same phase
       const int64_t far = (t0 - lo) / L + kFar;

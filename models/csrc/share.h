@@ -94,6 +94,7 @@ class Team {
     std::atomic<uint64_t> span{0};
   };
   static constexpr int64_t kRuns = 16;  // threads past it take the others' chunks only
+  static constexpr int64_t kMaxChunks = int64_t{1} << 31;
   Run runs_[kRuns];
   std::atomic<int64_t> done_{0}, joined_{0};
   std::exception_ptr error_;  // the job's first (set by the thread that sets failed_)
@@ -108,6 +109,7 @@ void Team::share(int64_t count, int64_t grain, const F& f) {
   while (acked_.load(std::memory_order_acquire) != job * static_cast<uint64_t>(helpers_)) relax();
   fn_ = [](const void* ctx, int64_t begin, int64_t end) { (*static_cast<const F*>(ctx))(begin, end); };
   ctx_ = &f;
+  grain = std::max(grain, (count + kMaxChunks - 1) / kMaxChunks);  // (a run's bounds are 32 bits each)
   count_ = count, grain_ = grain, chunks_ = (count + grain - 1) / grain;
   run_count_ = std::min(helpers_ + 1, kRuns);
   for (int64_t i = 0; i < run_count_; ++i)
