@@ -38,6 +38,31 @@ def hanging_scheduler_child(hub, *, address, config, steps, marker):
     return ActorChild(lambda: HangingScheduler(parsed, steps, marker), address, hub)
 
 
+class SlowScheduler(Scheduler):
+    """Each model step takes ``delay`` s longer while the file ``marker`` exists: a replica whose
+    requests are still streaming when the test strikes it, however late the front end sees them."""
+
+    def __init__(self, config, delay: float, marker: str) -> None:
+        super().__init__(config)
+        self.delay = delay
+        self.marker = marker
+
+    def on_loaded(self):
+        real_step = self.runner.step
+
+        def step(seqs):
+            if os.path.exists(self.marker):
+                time.sleep(self.delay)  # a slow step, on purpose
+            return real_step(seqs)
+
+        self.runner.step = step
+
+
+def slow_scheduler_child(hub, *, address, config, delay, marker):
+    parsed = msgspec.convert(config, SchedulerConfig)
+    return ActorChild(lambda: SlowScheduler(parsed, delay, marker), address, hub)
+
+
 POISON = [7, 7, 7, 7, 7, 13]  # a prompt that starts so kills the scheduler process when it runs
 LATE_POISON = [7, 7, 7, 7, 7, 14]  # ... once it has generated LATE tokens
 LATE = 3

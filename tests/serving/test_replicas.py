@@ -381,13 +381,17 @@ async def test_a_remote_replica_is_a_supervisor_child_watched_by_heartbeats(auto
 
 
 
-def remote_topology(tmp_path, ports, model, weights_roots=()):
+def remote_topology(tmp_path, ports, model, weights_roots=(), slow_marker=None):
     """Two remote replicas, the front end's mailbox and its monitor, over tcp on loopback (the YAML file). A replica
-    loads new weights only from under its own ``weights_roots`` (it checks them itself)."""
+    loads new weights only from under its own ``weights_roots`` (it checks them itself). With ``slow_marker``,
+    replica 1's steps take 50 ms longer while that file exists (``faults.SlowScheduler``)."""
     import yaml
 
-    def at(port):
-        return {"process": "remote", "address": f"tcp://127.0.0.1:{port}"}
+    def at(port, **extra):
+        return {"process": "remote", "address": f"tcp://127.0.0.1:{port}", **extra}
+
+    slow = {} if slow_marker is None else {
+        "target": "tests.serving.faults:slow_scheduler_child", "args": {"delay": 0.05, "marker": str(slow_marker)}}
 
     # deterministic: the migrated streams' texts must equal a fault-free run's; outside that mode a
     # resumed token (re-prefilled: prefill attention) may round apart from a decoded one (the decode
@@ -400,7 +404,7 @@ def remote_topology(tmp_path, ports, model, weights_roots=()):
             "actors": {"tokenizer": {"process": "main", "address": f"tcp://127.0.0.1:{ports[0]}"},
                        "monitor": {"address": f"tcp://127.0.0.1:{ports[5]}"},
                        "replicas": [{"scheduler": at(ports[1]), "detokenizer": at(ports[2])},
-                                    {"scheduler": at(ports[3]), "detokenizer": at(ports[4])}]}}
+                                    {"scheduler": at(ports[3], **slow), "detokenizer": at(ports[4])}]}}
     path = tmp_path / "remote.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -461,7 +465,9 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
     from ..conftest import free_tcp_port
     from .test_update_weights import GREEDY
 
-    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(6)], model_dirs["a"], [model_dirs["root"]])
+    slow = tmp_path / "victim-slow"
+    config = remote_topology(tmp_path, [free_tcp_port() for _ in range(6)], model_dirs["a"], [model_dirs["root"]],
+                             slow_marker=slow)
     replicas = [await start_replica(nursery, config, i) for i in range(2)]
     url, app = await start_server(nursery, str(config), **{"model.path": model_dirs["a"]})
     tm = app.state.server.runtime.tokenizer_manager
@@ -473,6 +479,7 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
 
     async def kill(app, client):
         os.killpg(replicas[1].pid, signal.SIGKILL)
+        slow.unlink()  # the replica started again steps at full speed
 
     async def both_answers(client):
         """The greedy answer of each replica (round robin: one request each)."""
@@ -493,12 +500,14 @@ async def test_remote_replicas_serve_and_one_lost_has_its_requests_moved(nursery
         on_b = await both_answers(client)
         assert on_a[0] == on_a[1] and on_b[0] == on_b[1] and on_a[0] != on_b[0]
 
-        # long answers: the front end sees a replica's outputs late (four processes of replicas beside it on
-        # two cores), and answers of 96 tokens were at times all sent by the time the victim was seen
-        # streaming one, so that no request was left to move (seen 3 times in ~40 runs: texts right, migrated 0)
-        bodies = requests_for(24, n=8, max_new_tokens=320)
+        # the front end sees a replica's outputs late (four processes of replicas beside it on two cores): even
+        # answers of 320 tokens were at times all sent by the time the victim was seen streaming one, so that
+        # no request was left to move (texts right, migrated 0). So the victim's steps are slowed (50 ms each,
+        # 96 tokens: ~5 s) from the strike run's start: its requests are certainly mid-stream when it is killed
+        bodies = requests_for(24, n=8)
         fault_free = {}
         await run_all(client, bodies, True, fault_free)
+        slow.touch()
         texts, info = await stream_and_strike(app, client, bodies, kill, victim=1)
         # both runs against the runner's own greedy answers on b (computed here): a run that differs says
         # which run, which request and from which token (CI once saw the texts differ and nothing more)
