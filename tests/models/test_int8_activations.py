@@ -100,19 +100,22 @@ def test_products_are_the_integer_arithmetic_and_near_the_exact_product(kernels,
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_row_has_the_scalar_paths_bits_alone_in_any_batch_and_on_any_threads(kernels, kind):
-    weight = quantized(100, 1536, kind)  # down's K: 48 blocks; 12.5 panels of 8
+@pytest.mark.parametrize("n", [100, 52])
+def test_a_row_has_the_scalar_paths_bits_alone_in_any_batch_and_on_any_threads(kernels, kind, n):
+    # down's K: 48 blocks; 12.5 panels of 8 (many rows on VNNI: three tiles of two pairs, then the half panel), or
+    # 6.5 (one tile of two pairs, one of a pair, the half panel)
+    weight = quantized(n, 1536, kind)
     codes = packed(weight)
     g = torch.Generator().manual_seed(3)
-    x, bias = torch.randn(130, 1536, generator=g), torch.randn(100, generator=g)
-    whole = cpu_kernels.i8_block_linear(x, *codes, 100, bias)
-    assert torch.equal(whole, cpu_kernels.i8_block_linear_reference(x, *codes, 100, bias))
+    x, bias = torch.randn(130, 1536, generator=g), torch.randn(n, generator=g)
+    whole = cpu_kernels.i8_block_linear(x, *codes, n, bias)
+    assert torch.equal(whole, cpu_kernels.i8_block_linear_reference(x, *codes, n, bias))
     for rows in ROWS:
-        assert torch.equal(cpu_kernels.i8_block_linear(x[-rows:], *codes, 100, bias), whole[-rows:])
+        assert torch.equal(cpu_kernels.i8_block_linear(x[-rows:], *codes, n, bias), whole[-rows:])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.i8_block_linear(x, *codes, 100, bias), whole)
+        assert torch.equal(cpu_kernels.i8_block_linear(x, *codes, n, bias), whole)
     finally:
         torch.set_num_threads(threads)
 
