@@ -9,10 +9,11 @@
 // AVX2 CPU without bf16 units that is the floor (a Zen 3 EPYC: one row at ~55 % of the memory bound, 64 rows at
 // ~85 % of the fp32 FMA peak). Here 32 products of a 4-bit code and an int8 take one vpmaddubsw and one 16-bit add,
 // and a block's fp32 work is two FMAs per output and row (SmolLM2's projections 1.2-2.6x the fp32 kernel). On
-// AVX512-VNNI, vpdpbusd over pairs of panels a zmm; on a Zen 4 (with AVX512-BF16) the bf16 kernel multiplies as fast
-// at many rows, so there it pays at few rows only (1.1-2.2x at one row). It changes the outputs (the activations
-// are rounded to 8 bits, ~0.4 % of a block's largest value), which is why it is a mode of its own, off by default.
-// Figures: benchmarks/results/2026-12-07-zen4-int8.
+// AVX512-VNNI, vpdpbusd over pairs of panels a zmm; on a Zen 4 (with AVX512-BF16) that is twice vdpbf16ps's
+// multiply-adds a cycle, but a block's fp32 work runs on the same pipes (~2/3 of vpdpbusd's peak at most): 1.4-3.2x
+// the bf16 kernel at one row, 1.04-1.4x at 64-512 rows. It changes the outputs (the activations are rounded to 8
+// bits, ~0.4 % of a block's largest value), which is why it is a mode of its own, off by default.
+// Figures: benchmarks/results/2026-12-07-zen4-int8, 2026-12-07-zen4-i8-tiles.
 //
 // The bits: each (row, output) is one fp32 accumulator fed block after block in order, y = fma(float(isum_b),
 // d_b * dx_b, y) then y = fma(m_b, sx_b, y), with isum_b an exact integer; a row's codes depend on that row alone.
@@ -520,9 +521,9 @@ void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
 #if TERCET_VNNI
     {  // pairs of whole panels, every tile of rows over a pair (its codes in L1); what is left below
       const int64_t whole = std::min(end, n / kLanes);
-      // tiles of 4 rows by 2 pairs, one integer chain an accumulator: 1.03-1.18x the tiles before (4 rows by one
-      // pair, two chains) at 8-512 rows of Q4_1 on a Zen 4, alternated; 8 rows by one pair measured 0.93-0.99x
-      // these, 6 rows by 2 pairs even
+      // tiles of 4 rows by 2 pairs, one integer chain an accumulator (8 chains hide vpdpbusd's latency of 4): Q4_1
+      // at 8-512 rows 0.91-1.18x the tiles before (4 rows by one pair, two chains; gate_up and down 0.99-1.18x) on
+      // a Zen 4, alternated; 8 rows by one pair 0.91-1.00x these, 6 rows by 2 pairs 0.95-1.10x
       begin = pair_columns<4, 2>(x, w, r0, rows, begin, whole, y, n);
       begin = pair_columns<4, 1>(x, w, r0, rows, begin, whole, y, n);
     }
