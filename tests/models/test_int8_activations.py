@@ -162,6 +162,21 @@ def test_bf16_rows_are_the_fp32_products_rounded_whether_the_sums_fit_the_scratc
         assert torch.equal(cpu_kernels.i8_block_linear(x[:rows], *codes, 4096, bias), big[:rows])
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_bf16_rows_rounded_in_the_tiles_or_after_them_are_the_fp32_products_rounded(kernels, kind):
+    """On VNNI whole pairs of panels are rounded to bf16 (plus the bias) straight from the tiles, the rest after:
+    at 100 outputs (12.5 panels) and 52 (6.5), every tile shape's rows, both give the fp32 sums rounded."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(130, 96, generator=g).bfloat16()
+    for n in (100, 52):
+        codes = packed(quantized(n, 96, kind))
+        bias = torch.randn(n, generator=g)
+        for rows in ROWS:
+            got = cpu_kernels.i8_block_linear(x[:rows], *codes, n, bias)
+            assert torch.equal(got, cpu_kernels.i8_block_linear(x[:rows].float(), *codes, n, bias).bfloat16()), (n, rows)
+            assert torch.equal(got, cpu_kernels.i8_block_linear_reference(x[:rows], *codes, n, bias)), (n, rows)
+
+
 def test_codes_it_does_not_take_and_shapes_that_do_not_fit_are_refused(kernels):
     assert int8_block_codes(quantized(32, 64, "q4_0")) == []  # signed nibbles: the exact path keeps them
     assert int8_block_codes(torch.randn(32, 64)) == []  # not codes at all
