@@ -478,10 +478,11 @@ void tile_store(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
     }
 }
 
-// R rows (at most kRowTile) of panels [p, end): C at a time, then one by one
+// R rows (at most kRowTile) of panels [p, end): C at a time, then one by one; returns where the pairs through
+// pairs_store ended (p where there were none)
 template <int R, int C, bool Nibbles, typename S>
-void rows_over_panels(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, int64_t end, float* y,
-                      int64_t ldy, int64_t n) {
+int64_t rows_over_panels(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t p, int64_t end, float* y,
+                         int64_t ldy, int64_t n) {
 #if TERCET_VNNI
   if constexpr (C % 2 == 0) {  // whole panels in pairs through zmm; a last partial panel below
     const int64_t whole = std::min(end, n / kLanes);
@@ -489,8 +490,10 @@ void rows_over_panels(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, i
     for (; p + 2 <= whole; p += 2) pairs_store<R, 1>(x, w, r0, p, y + p * kLanes, ldy);
   }
 #endif
+  const int64_t paired = p;
   for (; p + C <= end; p += C) tile_store<R, C>(x, w, r0, p, y + p * kLanes, ldy, std::min(kLanes, n - (p + C - 1) * kLanes));
   for (; p < end; ++p) tile_store<R, 1>(x, w, r0, p, y + p * kLanes, ldy, std::min(kLanes, n - p * kLanes));
+  return paired;
 }
 #endif
 
@@ -520,17 +523,18 @@ int64_t pair_columns(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, in
 }
 #endif
 
-// rows r0..r0+rows of panels [begin, end) into y (rows r0.. of the output, row stride n)
+// rows r0..r0+rows of panels [begin, end) into y (rows r0.. of the output, row stride n); returns where the
+// panels that went through pairs_store end (they start at begin)
 template <bool Nibbles, typename S>
-void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t rows, int64_t begin, int64_t end,
+int64_t panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t rows, int64_t begin, int64_t end,
                 float* y, int64_t n, bool scalar) {
 #if TERCET_I8
   if (!scalar) {
     // few rows: several panels a tile (more independent sums); many: a panel's codes in L1 for every tile of rows
     switch (rows) {
-      case 1: rows_over_panels<1, 4>(x, w, r0, begin, end, y, n, n); return;
-      case 2: rows_over_panels<2, 2>(x, w, r0, begin, end, y, n, n); return;
-      case 3: rows_over_panels<3, 2>(x, w, r0, begin, end, y, n, n); return;
+      case 1: return rows_over_panels<1, 4>(x, w, r0, begin, end, y, n, n);
+      case 2: return rows_over_panels<2, 2>(x, w, r0, begin, end, y, n, n);
+      case 3: return rows_over_panels<3, 2>(x, w, r0, begin, end, y, n, n);
       default: break;
     }
 #if TERCET_VNNI
@@ -543,6 +547,7 @@ void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
       begin = pair_columns<4, 1>(x, w, r0, rows, begin, whole, y, n);
     }
 #endif
+    const int64_t paired = begin;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kLanes, n - p * kLanes);
       int64_t r = 0;
@@ -555,11 +560,12 @@ void panel_rows(const Rows& x, const Weights<Nibbles, S>& w, int64_t r0, int64_t
         default: break;
       }
     }
-    return;
+    return paired;
   }
 #endif
   for (int64_t p = begin; p < end; ++p)
     tile_scalar(x, w, r0, rows, p, y + p * kLanes, n, std::min(kLanes, n - p * kLanes));
+  return begin;
 }
 
 // finish(c0, c1) after each range of panels: its columns [c0, c1) of every row are summed
@@ -569,15 +575,13 @@ void product(const Rows& x, const Weights<Nibbles, S>& w, int64_t m, int64_t pan
   // each thread a range of panels (one stream of codes), every row block over it
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, panels / (2 * at::get_num_threads())));
   tercet::parallel(panels, grain, [&](int64_t begin, int64_t end) {
+    int64_t paired = begin;  // (every row block pairs the same panels)
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, m - r0);
-      panel_rows(x, w, r0, rows, begin, end, y + r0 * n, n, scalar);
+      paired = panel_rows(x, w, r0, rows, begin, end, y + r0 * n, n, scalar);
     }
-    // (with Rows::rounded the whole pairs of panels from `begin` on are rounded already: panel_rows takes
-    // every whole pair there is, 4 or 2 panels a tile, before the rest)
-    int64_t done = begin;
-    if (x.rounded != nullptr) done += std::max<int64_t>(0, std::min(end, n / kLanes) - begin) / 2 * 2;
-    finish(done * kLanes, std::min(end * kLanes, n));
+    // with Rows::rounded, the panels that went through pairs_store are rounded already
+    finish((x.rounded != nullptr ? paired : begin) * kLanes, std::min(end * kLanes, n));
   });
 }
 
